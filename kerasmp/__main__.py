@@ -1,0 +1,5 @@
+import sys
+
+from kerasmp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,374 @@
+"""Mixed-precision dtype policies with per-layer float32 overrides.
+
+`Policy` is a real `keras.DTypePolicy`: pass it wherever Keras takes a dtype
+policy. What it adds is a list of layers that must compute in float32 even
+when the policy computes in float16 or bfloat16: softmax and normalization
+layers by default, plus any layer class or layer-name pattern the user names.
+
+How the override reaches layers: a layer's policy is whatever Keras stored in
+`layer._dtype_policy` (the global policy when `dtype=None`, or the parent's
+policy for layers such as the `Softmax` inside `MultiHeadAttention`). When that
+stored policy is a `kerasmp.Policy`, `kerasmp._hooks` resolves it against the
+layer each time Keras reads it (`Policy.policy_for(layer)`), so the rules also
+apply to nested layers and to attributes set after `super().__init__()`
+(an `Activation` layer's activation, say). Any other policy, including an
+explicit `dtype=` given by the user, is returned untouched and so wins.
+"""
+
+import contextlib
+import importlib
+import re
+
+import keras
+
+from kerasmp import _hooks
+
+_FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
+                "float32", "float64")
+_SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
+
+
+def _normalization_layers():
+    names = (
+        "BatchNormalization",
+        "LayerNormalization",
+        "GroupNormalization",
+        "UnitNormalization",
+        "RMSNormalization",
+        "Normalization",
+    )
+    return tuple(
+        getattr(keras.layers, n) for n in names if hasattr(keras.layers, n)
+    )
+
+
+DEFAULT_FLOAT32_LAYERS = (keras.layers.Softmax,) + _normalization_layers()
+"""Layers a `Policy` computes in float32 unless told otherwise.
+
+`keras.layers.Softmax` in the list also covers every layer whose `activation`
+is softmax or log_softmax (`Activation("softmax")`,
+`Dense(n, activation="softmax")`): their output is a softmax, and a float16
+softmax over more than ~65k classes overflows its denominator and returns
+zeros without any NaN to warn you.
+"""
+
+
+def _validate_rule(rule):
+    """Returns `rule` as a layer class or a compiled regex, or raises."""
+    if isinstance(rule, type) and issubclass(rule, keras.layers.Layer):
+        return rule
+    if isinstance(rule, re.Pattern):
+        return rule
+    if isinstance(rule, str):
+        try:
+            return re.compile(rule)
+        except re.error as e:
+            raise ValueError(
+                "Invalid `float32_layers` entry: "
+                f"{rule!r} is not a valid regular expression ({e}). Allowed "
+                "entries: keras.layers.Layer subclasses, or regular "
+                "expressions matched against the layer name."
+            ) from None
+    raise TypeError(
+        "Invalid `float32_layers` entry: expected a keras.layers.Layer "
+        "subclass or a regular expression (str) matched against the layer "
+        f"name. Received: {rule!r} (of type {type(rule).__name__})"
+    )
+
+
+def _activation_name(layer):
+    activation = getattr(layer, "activation", None)
+    return getattr(activation, "__name__", None)
+
+
+def _class_to_config(cls):
+    registered = keras.saving.get_registered_name(cls)
+    if registered != cls.__name__:
+        return {"registered_name": registered}
+    return {"module": cls.__module__, "class_name": cls.__qualname__}
+
+
+def _class_from_config(config):
+    if "registered_name" in config:
+        cls = keras.saving.get_registered_object(config["registered_name"])
+        if cls is None:
+            raise ValueError(
+                f"Unknown layer class {config['registered_name']!r} in "
+                "`float32_layers`: import the module that registers it "
+                "before loading."
+            )
+        return cls
+    module = importlib.import_module(config["module"])
+    obj = module
+    for part in config["class_name"].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@keras.saving.register_keras_serializable(package="kerasmp")
+class Float32Override(keras.DTypePolicy):
+    """The float32 policy a `Policy` gives the layers its rules match.
+
+    It computes and stores variables in float32 like
+    `keras.DTypePolicy("float32")`, and remembers which kerasmp policy and
+    rule put the layer there, so that a saved model reloads with the same
+    dtypes and `dtype_report` can say why.
+
+    Args:
+        policy: The `kerasmp.Policy` whose rule matched.
+        rule: The description of the rule, as `Policy.float32_rule` gives it.
+    """
+
+    def __init__(self, policy, rule):
+        super().__init__("float32")
+        self.policy = policy
+        self.rule = rule
+
+    def get_config(self):
+        return {"policy": keras.saving.serialize_keras_object(self.policy),
+                "rule": self.rule}
+
+    @classmethod
+    def from_config(cls, config):
+        policy = keras.saving.deserialize_keras_object(config["policy"])
+        return cls(policy, config["rule"])
+
+    def __eq__(self, other):
+        return (isinstance(other, Float32Override)
+                and self.rule == other.rule and self.policy == other.policy)
+
+    def __hash__(self):
+        return hash(("float32", self.rule))
+
+    def __repr__(self):
+        return f'<kerasmp.Float32Override "float32" ({self.rule})>'
+
+
+@keras.saving.register_keras_serializable(package="kerasmp")
+class Policy(keras.DTypePolicy):
+    """A `keras.DTypePolicy` that keeps fragile layers in float32.
+
+    Layers governed by this policy compute in the policy's compute dtype,
+    except the layers matched by `float32_layers`, which compute (and output)
+    float32 with float32 variables. A layer is governed by the policy when it
+    was built with `dtype=None` while this policy was global, or was handed
+    this policy by its parent layer. A layer built with any other explicit
+    `dtype=` keeps that dtype.
+
+    Args:
+        name: The policy name, any name `keras.DTypePolicy` accepts for a
+            floating-point policy: `"mixed_float16"`, `"mixed_bfloat16"`,
+            `"float16"`, `"bfloat16"`, `"float32"` or `"float64"`.
+        float32_layers: A sequence of `keras.layers.Layer` subclasses and/or
+            regular expressions. A layer matches when it is an instance of
+            one of the classes, or when a regular expression matches its whole
+            `name` (`re.fullmatch`). `keras.layers.Softmax` also matches
+            layers whose `activation` is softmax or log_softmax. Defaults to
+            `DEFAULT_FLOAT32_LAYERS` (softmax and every Keras normalization
+            layer). Pass `()` for no overrides.
+
+    Example:
+
+    >>> import kerasmp
+    >>> kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    >>> keras.layers.Dense(4).compute_dtype
+    'float16'
+    >>> keras.layers.Softmax().compute_dtype
+    'float32'
+    >>> kerasmp.set_global_policy("float32")
+    """
+
+    def __init__(self, name="mixed_float16",
+                 float32_layers=DEFAULT_FLOAT32_LAYERS):
+        if not isinstance(name, str) or name not in _FLOAT_NAMES:
+            raise ValueError(
+                f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
+                f"values: {', '.join(_FLOAT_NAMES)}."
+            )
+        if isinstance(float32_layers, (str, type, re.Pattern)):
+            raise TypeError(
+                "`float32_layers` must be a sequence (list or tuple) of layer "
+                "classes and/or regular expressions, not a single entry. "
+                f"Received: {float32_layers!r}"
+            )
+        try:
+            rules = tuple(float32_layers)
+        except TypeError:
+            raise TypeError(
+                "`float32_layers` must be a sequence of layer classes and/or "
+                f"regular expressions. Received: {float32_layers!r}"
+            ) from None
+        super().__init__(name)
+        self._rules = tuple(_validate_rule(r) for r in rules)
+        self._overrides = {}  # rule description -> Float32Override
+
+    @property
+    def float32_layers(self):
+        """The override rules: layer classes and compiled regexes."""
+        return self._rules
+
+    @property
+    def has_float16_compute(self):
+        """Whether layers under this policy compute in float16."""
+        return self.compute_dtype == "float16"
+
+    def float32_rule(self, layer):
+        """Returns the rule that puts `layer` in float32, or None.
+
+        Args:
+            layer: A `keras.layers.Layer`.
+
+        Returns:
+            A short description of the matching rule, e.g. `"Softmax"`,
+            `"activation=softmax"` or `"name~'head.*'"`, or None.
+        """
+        for rule in self._rules:
+            if isinstance(rule, re.Pattern):
+                if rule.fullmatch(layer.name or ""):
+                    return f"name~{rule.pattern!r}"
+            elif isinstance(layer, rule):
+                return rule.__name__
+            elif (
+                rule is keras.layers.Softmax
+                and _activation_name(layer) in _SOFTMAX_ACTIVATIONS
+            ):
+                return f"activation={_activation_name(layer)}"
+        return None
+
+    def policy_for(self, layer):
+        """Returns the policy `layer` actually computes with.
+
+        Args:
+            layer: A `keras.layers.Layer` whose stored policy is this one.
+
+        Returns:
+            A `Float32Override` when `layer` matches `float32_layers` and
+            this policy does not already compute in float32 or float64, else
+            this policy.
+        """
+        if self.compute_dtype in ("float32", "float64"):
+            return self
+        rule = self.float32_rule(layer)
+        if rule is None:
+            return self
+        if rule not in self._overrides:
+            self._overrides[rule] = Float32Override(self, rule)
+        return self._overrides[rule]
+
+    def get_config(self):
+        rules = []
+        for rule in self._rules:
+            if isinstance(rule, re.Pattern):
+                rules.append({"pattern": rule.pattern})
+            else:
+                rules.append(_class_to_config(rule))
+        return {"name": self.name, "float32_layers": rules}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        rules = config.pop("float32_layers", None)
+        if rules is None:
+            return cls(**config)
+        parsed = [
+            r["pattern"] if "pattern" in r else _class_from_config(r)
+            for r in rules
+        ]
+        return cls(float32_layers=parsed, **config)
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, Policy)
+            and self.name == other.name
+            and self.get_config() == other.get_config()
+        )
+
+    def __hash__(self):
+        return hash((self.name, len(self._rules)))
+
+    def __repr__(self):
+        n = len(self._rules)
+        return f'<kerasmp.Policy "{self.name}", {n} float32 rules>'
+
+
+def _as_policy(policy_or_name, argname="policy"):
+    if isinstance(policy_or_name, keras.DTypePolicy):
+        return policy_or_name
+    if isinstance(policy_or_name, str):
+        return Policy(policy_or_name)
+    raise TypeError(
+        f"`{argname}` must be a policy name ({', '.join(_FLOAT_NAMES)}), a "
+        f"kerasmp.Policy or a keras.DTypePolicy. Received: {policy_or_name!r}"
+    )
+
+
+def set_global_policy(policy_or_name):
+    """Sets the global dtype policy that layers built afterwards use.
+
+    A name is turned into `kerasmp.Policy(name)` with the default float32
+    layers; `set_global_policy("float32")` goes back to plain float32. While
+    a float16 `kerasmp.Policy` governs a model's layers, `model.compile()`
+    wraps a plain optimizer in `kerasmp.LossScaleOptimizer` (see
+    `kerasmp._hooks`).
+
+    Args:
+        policy_or_name: A policy name (`"mixed_float16"`, `"mixed_bfloat16"`,
+            `"float32"`, ...), a `kerasmp.Policy` or a `keras.DTypePolicy`.
+
+    Example:
+
+    >>> kerasmp.set_global_policy("mixed_float16")
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    >>> kerasmp.set_global_policy("float32")
+    """
+    keras.config.set_dtype_policy(_as_policy(policy_or_name))
+
+
+def global_policy():
+    """Returns the global dtype policy (a `keras.DTypePolicy`)."""
+    return keras.config.dtype_policy()
+
+
+@contextlib.contextmanager
+def policy_scope(policy_or_name):
+    """Context manager that sets the global policy and restores the old one.
+
+    Args:
+        policy_or_name: As for `set_global_policy`.
+
+    Example:
+
+    >>> with kerasmp.policy_scope("mixed_bfloat16"):
+    ...     layer = keras.layers.Dense(2)
+    >>> layer.compute_dtype
+    'bfloat16'
+    """
+    previous = global_policy()
+    set_global_policy(policy_or_name)
+    try:
+        yield global_policy()
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def stored_policy(layer):
+    """Returns the policy stored on `layer`, before kerasmp's resolution."""
+    return _hooks.stored_policy(layer)
+
+
+def float32_rule(layer, policy=None):
+    """Returns the kerasmp rule that computes `layer` in float32, or None.
+
+    Args:
+        layer: A `keras.layers.Layer`.
+        policy: The `kerasmp.Policy` whose rules to apply. Defaults to the
+            layer's own kerasmp policy, or `Policy()` with the default rules
+            when the layer is not governed by one.
+    """
+    if policy is None:
+        stored = stored_policy(layer)
+        policy = stored if isinstance(stored, Policy) else Policy()
+    return policy.float32_rule(layer)
+
+
+_hooks.install(Policy, saved_classes=(Policy, Float32Override))

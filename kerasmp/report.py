@@ -1,0 +1,115 @@
+"""Per-layer dtype report: what each layer computes in, and why."""
+
+import dataclasses
+
+import keras
+
+from kerasmp import policy as _policy
+
+
+@dataclasses.dataclass(frozen=True)
+class DTypeRow:
+    """One layer of a `DTypeReport`."""
+
+    path: str
+    layer_class: str
+    compute_dtype: str
+    variable_dtype: str
+    reason: str
+
+
+class DTypeReport:
+    """Rows of `dtype_report`; prints as a table, iterates over rows."""
+
+    def __init__(self, rows):
+        self.rows = list(rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, path):
+        """Returns the row whose path (or layer name) is `path`."""
+        for row in self.rows:
+            if row.path == path or row.path.rsplit("/", 1)[-1] == path:
+                return row
+        raise KeyError(path)
+
+    def to_dict(self):
+        return [dataclasses.asdict(r) for r in self.rows]
+
+    def __str__(self):
+        header = ("path", "class", "compute", "variables", "why")
+        table = [header] + [
+            (r.path, r.layer_class, r.compute_dtype, r.variable_dtype, r.reason)
+            for r in self.rows
+        ]
+        widths = [max(len(str(row[i])) for row in table) for i in range(5)]
+        lines = []
+        for i, row in enumerate(table):
+            lines.append(
+                "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+            )
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _reason(layer, global_policy):
+    resolved = layer.dtype_policy
+    if isinstance(resolved, _policy.Float32Override):
+        return f"kerasmp override ({resolved.rule})"
+    stored = _policy.stored_policy(layer)
+    if isinstance(stored, _policy.Policy):
+        if stored == global_policy:
+            return "global policy"
+        return f"kerasmp policy {stored.name} (saved or inherited)"
+    if stored == global_policy:
+        return "global policy"
+    return "explicit dtype"
+
+
+def dtype_report(model):
+    """Returns the compute and variable dtype of every layer of `model`.
+
+    Args:
+        model: A `keras.Model` or `keras.layers.Layer`. Nested layers are
+            listed after their parent, with their path.
+
+    Returns:
+        A `DTypeReport`: one `DTypeRow` per layer with `path`, `layer_class`,
+        `compute_dtype`, `variable_dtype` and `reason` ("global policy",
+        "kerasmp override (<rule>)" or "explicit dtype"). `print()` it for a
+        table.
+
+    Example:
+
+    >>> kerasmp.set_global_policy("mixed_float16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+    ...                           keras.layers.Softmax()])
+    >>> print(kerasmp.dtype_report(model))
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "`model` must be a keras.Model or keras.layers.Layer. "
+            f"Received: {model!r}"
+        )
+    global_policy = _policy.global_policy()
+    rows = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        rows.append(
+            DTypeRow(
+                path=layer.path or layer.name,
+                layer_class=type(layer).__name__,
+                compute_dtype=layer.compute_dtype,
+                variable_dtype=layer.variable_dtype,
+                reason=_reason(layer, global_policy),
+            )
+        )
+    return DTypeReport(rows)

@@ -1,0 +1,46 @@
+"""kerasmp doctor: never fails on a CPU box, advice follows the hardware."""
+
+import json
+
+import pytest
+
+from kerasmp.cli import main
+from kerasmp.doctor import Device
+from kerasmp.doctor import recommend
+
+
+@pytest.mark.parametrize(
+    "device, policy, warned",
+    [
+        (Device("cpu", "some cpu"), "float32", "slower than float32"),
+        (Device("gpu", "H100", (9, 0)), "mixed_bfloat16", None),
+        (Device("gpu", "A100", (8, 0)), "mixed_bfloat16", None),
+        (Device("gpu", "V100", (7, 0)), "mixed_float16", None),
+        (Device("gpu", "T4", (7, 5)), "mixed_float16", None),
+        (Device("gpu", "P100", (6, 0)), "float32", "no tensor cores"),
+        (Device("tpu", "TPU v4"), "mixed_bfloat16", None),
+    ],
+)
+def test_recommendation_follows_compute_capability(device, policy, warned):
+    name, reason, warnings = recommend([device])
+    assert name == policy
+    assert reason
+    if warned:
+        assert any(warned in w for w in warnings)
+    else:
+        assert warnings == []
+
+
+def test_cli_doctor_json_on_this_machine(capsys):
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"versions", "backend", "devices", "recommended_policy",
+            "reason", "warnings"} <= set(report)
+    assert report["devices"]
+    assert report["versions"]["keras"].startswith("3.")
+
+
+def test_cli_doctor_text(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended policy:" in out
