@@ -1,0 +1,401 @@
+"""Inputs, parity and the per-format writers and readers of kerasmp.export.
+
+Each format has a writer (`write_<format>`) and a reader (`run_<format>`)
+that loads the artifact with its own runtime and runs it on numpy inputs:
+Keras for `.keras`, `tf.saved_model.load` for SavedModel, ai_edge_litert for
+TFLite, onnxruntime for ONNX.
+"""
+
+import os
+import re
+import warnings
+
+import keras
+import numpy as np
+
+from kerasmp._half import FLOAT16_MAX
+from kerasmp._half import is_container
+from kerasmp._half import is_float
+from kerasmp._half import is_graph_model
+from kerasmp._half import numpy_value
+from kerasmp._half import walk
+
+ONNX_PACKAGES = ("tf2onnx", "onnxconverter_common", "onnxruntime")
+_PREDICT_BATCH = 128
+
+
+def _sanitize(name, i):
+    name = re.sub(r"\W", "_", name or "")
+    if not name or name[0].isdigit():
+        name = f"input_{i}"
+    return name
+
+
+def input_specs(model):
+    """`[(name, batch_shape, dtype)]` of the model's inputs, flat."""
+    first = model._layers[0] if model._layers else None
+    if isinstance(model, keras.Sequential) and isinstance(
+        first, keras.layers.InputLayer
+    ):
+        x = first.output
+        specs = [(first.name, tuple(x.shape), str(x.dtype))]
+    elif is_graph_model(model) and not isinstance(model, keras.Sequential):
+        specs = [
+            (x.name, tuple(x.shape), str(x.dtype))
+            for x in keras.tree.flatten(model.input)
+        ]
+    else:
+        build = model.get_build_config() or {}
+        if "input_shape" not in build:
+            raise ValueError(
+                f"Cannot tell the inputs of subclassed model {model.name!r}: "
+                "build it by calling it on a single input array."
+            )
+        specs = [("inputs", tuple(build["input_shape"]), "float32")]
+    names, out = set(), []
+    for i, (name, shape, dtype) in enumerate(specs):
+        name = _sanitize(name, i)
+        while name in names:
+            name += "_"
+        names.add(name)
+        out.append((name, (None,) + tuple(shape[1:]), dtype))
+    return out
+
+
+def draw_inputs(model, specs, n, seed=0):
+    """Random inputs for each spec: N(0, 1) floats, valid integer ids."""
+    rng = np.random.default_rng(seed)
+    vocab = [
+        l.input_dim for _, l in walk(model)
+        if isinstance(l, keras.layers.Embedding)
+    ]
+    arrays = []
+    for name, shape, dtype in specs:
+        if any(d is None for d in shape[1:]):
+            raise ValueError(
+                f"Input {name!r} has an unknown dimension {shape}; pass "
+                "`sample=` with real inputs."
+            )
+        full = (n,) + tuple(shape[1:])
+        if is_float(dtype):
+            arrays.append(rng.standard_normal(full).astype(dtype))
+        elif dtype == "bool":
+            arrays.append(rng.integers(0, 2, full).astype(bool))
+        else:
+            high = min(vocab) if vocab else 2
+            arrays.append(rng.integers(0, high, full).astype(dtype))
+    return arrays
+
+
+def as_input_list(sample, specs):
+    if isinstance(sample, dict):
+        missing = [name for name, _, _ in specs if name not in sample]
+        if missing:
+            raise ValueError(
+                f"`sample` is missing inputs {missing}; expected keys "
+                f"{[s[0] for s in specs]}."
+            )
+        arrays = [np.asarray(sample[name]) for name, _, _ in specs]
+    elif isinstance(sample, (list, tuple)):
+        arrays = [np.asarray(a) for a in sample]
+    else:
+        arrays = [np.asarray(sample)]
+    if len(arrays) != len(specs):
+        raise ValueError(
+            f"`sample` has {len(arrays)} input arrays; the model takes "
+            f"{len(specs)} ({[s[0] for s in specs]})."
+        )
+    out = []
+    for a, (name, shape, dtype) in zip(arrays, specs):
+        if a.ndim != len(shape) or any(
+            d is not None and d != s for d, s in zip(shape[1:], a.shape[1:])
+        ):
+            raise ValueError(
+                f"`sample` input {name!r} has shape {a.shape}; the model "
+                f"expects {shape}."
+            )
+        out.append(a.astype(dtype) if is_float(dtype) else a)
+    if len({a.shape[0] for a in out}) != 1:
+        raise ValueError("`sample` arrays must share their first dimension.")
+    return out
+
+
+def pack(model, arrays):
+    if is_graph_model(model) and not isinstance(model, keras.Sequential):
+        return keras.tree.pack_sequence_as(model.input, arrays)
+    return arrays[0]
+
+
+def _flat_outputs(y):
+    return [numpy_value(t) for t in keras.tree.flatten(y)]
+
+
+def predict_keras(model, arrays):
+    outs = None
+    n = arrays[0].shape[0]
+    for i in range(0, n, _PREDICT_BATCH):
+        batch = [a[i:i + _PREDICT_BATCH] for a in arrays]
+        y = _flat_outputs(model(pack(model, batch), training=False))
+        outs = [[t] for t in y] if outs is None else [
+            o + [t] for o, t in zip(outs, y)
+        ]
+    return [np.concatenate(o) for o in outs]
+
+
+def parity(reference, outputs):
+    """`(max |difference|, top-1 agreement or None)` over all outputs."""
+    if len(reference) != len(outputs):
+        raise ValueError(
+            f"The exported model returns {len(outputs)} outputs; the "
+            f"original returns {len(reference)}."
+        )
+    worst, agree = 0.0, []
+    for r, o in zip(reference, outputs):
+        r = r.astype(np.float64)
+        o = np.asarray(o).astype(np.float64).reshape(r.shape)
+        diff = np.abs(r - o)
+        diff[~np.isfinite(diff)] = np.inf
+        if diff.size:
+            worst = max(worst, float(diff.max()))
+        if r.ndim >= 2 and r.shape[-1] > 1:
+            agree.append((r.argmax(-1) == o.argmax(-1)).ravel())
+    top1 = float(np.concatenate(agree).mean()) if agree else None
+    return worst, top1
+
+
+# --------------------------------------------------------------------------
+# Writers and readers
+# --------------------------------------------------------------------------
+
+
+def size(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(
+        os.path.getsize(os.path.join(root, f))
+        for root, _, files in os.walk(path)
+        for f in files
+    )
+
+
+def serving_module(model, specs):
+    """A `tf.Module` that tracks each variable once and serves `model`."""
+    import tensorflow as tf
+
+    signature = [
+        tf.TensorSpec(shape, tf.as_dtype(dtype), name=name)
+        for name, shape, dtype in specs
+    ]
+    module = tf.Module()
+    # Track the backing tf.Variables (once each): `model.export()` tracks
+    # Keras's wrappers as well and stores every variable twice (keras#23553).
+    module.model_variables = [v.value for v in model.variables]
+
+    @tf.function(input_signature=signature)
+    def serve(*args):
+        return model(pack(model, list(args)), training=False)
+
+    module.serve = serve
+    return module, serve
+
+
+def write_keras(model, path):
+    keras.saving.save_model(model, path)
+
+
+def write_savedmodel(model, path, specs):
+    import tensorflow as tf
+
+    module, serve = serving_module(model, specs)
+    tf.saved_model.save(
+        module, path, signatures={"serving_default": serve}
+    )
+
+
+def write_tflite(model32, path, specs, dtype):
+    import tensorflow as tf
+
+    module, serve = serving_module(model32, specs)
+    converter = tf.lite.TFLiteConverter.from_concrete_functions(
+        [serve.get_concrete_function()], module
+    )
+    if dtype == "float16":
+        # TFLite runs float16 only as float16 weights in a float32 graph.
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.target_spec.supported_types = [tf.float16]
+    with open(path, "wb") as f:
+        f.write(converter.convert())
+
+
+def _onnx_erfc_to_erf(proto):
+    """Rewrites every `Erfc(x)` node as `1 - Erf(x)`, in place.
+
+    Keras's exact GELU is `0.5 * x * erfc(-x / sqrt(2))`; tf2onnx writes
+    `Erfc`, which is not an ONNX operator, so no runtime loads the model.
+    The graph is float32 here; the constant follows it to float16 later.
+    """
+    from onnx import TensorProto
+    from onnx import helper
+
+    graph = proto.graph
+    nodes = list(graph.node)
+    if not any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx")
+               for n in nodes):
+        return proto
+    one = "kerasmp_erfc_one"
+    graph.initializer.append(
+        helper.make_tensor(one, TensorProto.FLOAT, [], [1.0])
+    )
+    del graph.node[:]
+    for n in nodes:
+        if n.op_type != "Erfc" or n.domain not in ("", "ai.onnx"):
+            graph.node.append(n)
+            continue
+        erf_out = n.output[0] + "_kerasmp_erf"
+        graph.node.append(helper.make_node(
+            "Erf", [n.input[0]], [erf_out], name=n.name + "_erf"))
+        graph.node.append(helper.make_node(
+            "Sub", [one, erf_out], [n.output[0]], name=n.name + "_one_minus"))
+    return proto
+
+
+def _onnx_out_of_range_nodes(proto):
+    """Names of nodes reading an initializer float16 cannot hold."""
+    from onnx import numpy_helper
+
+    big = set()
+    for init in proto.graph.initializer:
+        values = numpy_helper.to_array(init)
+        if is_float(values.dtype) and values.size and np.max(
+            np.abs(values.astype(np.float64))
+        ) > FLOAT16_MAX:
+            big.add(init.name)
+    return [n.name for n in proto.graph.node if set(n.input) & big]
+
+
+def write_onnx(model32, path, specs, dtype):
+    import tensorflow as tf
+    import tf2onnx
+    from keras.src.export.tf2onnx_lib import patch_tf2onnx
+
+    _, serve = serving_module(model32, specs)
+    signature = [
+        tf.TensorSpec(shape, tf.as_dtype(d), name=name)
+        for name, shape, d in specs
+    ]
+    patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        proto, _ = tf2onnx.convert.from_function(
+            serve, input_signature=signature, opset=17
+        )
+    proto = _onnx_erfc_to_erf(proto)
+    if dtype == "float16":
+        from onnxconverter_common import float16
+
+        with warnings.catch_warnings():
+            # One warning per weight below 1e-7, which it rounds to 1e-7.
+            warnings.simplefilter("ignore", UserWarning)
+            proto = float16.convert_float_to_float16(
+                proto, keep_io_types=True,
+                node_block_list=_onnx_out_of_range_nodes(proto),
+            )
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+
+
+def run_onnx(path, arrays, specs):
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(
+        path, providers=["CPUExecutionProvider"]
+    )
+    names = [i.name for i in session.get_inputs()]
+    n = arrays[0].shape[0]
+    outs = None
+    for i in range(0, n, _PREDICT_BATCH):
+        y = session.run(None, {
+            name: a[i:i + _PREDICT_BATCH] for name, a in zip(names, arrays)
+        })
+        outs = [[t] for t in y] if outs is None else [
+            o + [t] for o, t in zip(outs, y)
+        ]
+    outs = [np.concatenate(o) for o in outs]
+    ins = [_ONNX_TYPES.get(i.type, i.type) for i in session.get_inputs()]
+    return outs, ins, [o.dtype.name for o in outs]
+
+
+_ONNX_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+}
+
+
+def run_keras(path, arrays, reasons):
+    model = keras.saving.load_model(path, compile=False)
+    outs = predict_keras(model, arrays)
+    kept = {
+        p: reasons.get(p, "float32 when loaded")
+        for p, l in walk(model)
+        if not is_container(l) and l.compute_dtype == "float32"
+    }
+    ins = [dtype for _, _, dtype in input_specs(model)]
+    return outs, ins, [str(o.dtype) for o in outs], kept
+
+
+def run_savedmodel(path, arrays, specs):
+    import tensorflow as tf
+
+    fn = tf.saved_model.load(path).signatures["serving_default"]
+    names = [name for name, _, _ in specs]
+    outs, keys = None, None
+    n = arrays[0].shape[0]
+    for i in range(0, n, _PREDICT_BATCH):
+        feed = {
+            name: tf.constant(a[i:i + _PREDICT_BATCH])
+            for name, a in zip(names, arrays)
+        }
+        y = fn(**feed)
+        keys = keys or sorted(y, key=_output_order)
+        batch = [y[k].numpy() for k in keys]
+        outs = [[t] for t in batch] if outs is None else [
+            o + [t] for o, t in zip(outs, batch)
+        ]
+    outs = [np.concatenate(o) for o in outs]
+    ins = [fn.structured_input_signature[1][n].dtype.name for n in names]
+    return outs, ins, [o.dtype.name for o in outs]
+
+
+def _output_order(key):
+    m = re.fullmatch(r"output_(\d+)", key)
+    return (0, int(m.group(1)), "") if m else (1, 0, key)
+
+
+def _tflite_interpreter(path):
+    from ai_edge_litert.interpreter import Interpreter
+
+    return Interpreter(model_path=path)
+
+
+def run_tflite(path, arrays, specs):
+    interpreter = _tflite_interpreter(path)
+    runner = interpreter.get_signature_runner("serving_default")
+    names = [name for name, _, _ in specs]
+    out_names = sorted(
+        interpreter.get_signature_list()["serving_default"]["outputs"],
+        key=_output_order,
+    )
+    n = arrays[0].shape[0]
+    outs = [[] for _ in out_names]
+    for i in range(0, n, _PREDICT_BATCH):
+        y = runner(**{
+            name: a[i:i + _PREDICT_BATCH] for name, a in zip(names, arrays)
+        })
+        for o, k in zip(outs, out_names):
+            o.append(np.array(y[k]))
+    outs = [np.concatenate(o) for o in outs]
+    details = runner.get_input_details()
+    ins = [np.dtype(details[name]["dtype"]).name for name in names]
+    return outs, ins, [o.dtype.name for o in outs]
