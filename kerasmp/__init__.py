@@ -6,6 +6,7 @@ only on layers governed by a `kerasmp.Policy`.
 """
 
 from kerasmp.doctor import doctor
+from kerasmp.optimizer import LossScaleOptimizer
 from kerasmp.policy import DEFAULT_FLOAT32_LAYERS
 from kerasmp.policy import Float32Override
 from kerasmp.policy import Policy
@@ -22,6 +23,7 @@ __all__ = [
     "DEFAULT_FLOAT32_LAYERS",
     "DTypeReport",
     "Float32Override",
+    "LossScaleOptimizer",
     "Policy",
     "doctor",
     "dtype_report",

@@ -1,0 +1,598 @@
+"""`kerasmp.LossScaleOptimizer`: loss scaling that never corrupts the weights.
+
+A drop-in subclass of `keras.optimizers.LossScaleOptimizer` (so `compile()`
+never wraps it a second time) with configurable growth and backoff factors,
+DeepSpeed-style hysteresis, a floor and a ceiling for the scale, a static
+mode, counters of skipped steps, and an overflow decision that every replica
+of a `tf.distribute` strategy takes together. docs/loss_scaling.md states the
+rules next to PyTorch's, DeepSpeed's and Megatron's.
+
+The whole per-step rule lives in `_next_state`, a pure function of the current
+state and the global "all gradients finite" flag. The TensorFlow path
+evaluates it inside each branch of one `cond` (with the flag known there, so
+a step builds only its branch's few scalar ops) and assigns the results; the
+JAX path (`stateless_apply`, also used by `apply` outside `fit`) evaluates it
+on the flag tensor and returns them.
+"""
+
+import math
+import numbers
+
+import keras
+from keras import ops
+from keras.src.utils import tracking
+
+
+@keras.saving.register_keras_serializable(package="kerasmp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """An optimizer wrapper that scales the loss and skips non-finite steps.
+
+    Each step the gradients (of the scaled loss) are checked for inf/NaN,
+    across all replicas when running under a `tf.distribute` strategy.
+
+    - Non-finite: the update is skipped (weights, the inner optimizer's slots
+      and `iterations` untouched), the growth counter resets, the skipped-step
+      counters advance, and the hysteresis budget is spent: while it is above
+      1 it is decremented and the scale kept; at 1 the scale backs off to
+      `max(scale * backoff_factor, min_scale)`.
+    - Finite: the gradients are divided by the scale and handed to the inner
+      optimizer (whose clipping therefore sees unscaled gradients). After
+      `dynamic_growth_steps` consecutive finite steps the scale grows to
+      `min(scale * growth_factor, max_scale)`, unless that is not finite.
+      The hysteresis budget refills when the scale grows, or on every finite
+      step if `consecutive_hysteresis` (DeepSpeed's semantics).
+
+    With `hysteresis=1` and no bound binding, the scale follows PyTorch's
+    `GradScaler` step for step. With `dynamic=False` the scale stays at
+    `initial_scale`, and non-finite steps are still skipped and counted.
+
+    If the inner optimizer accumulates gradients
+    (`gradient_accumulation_steps=k`), an overflow discards its whole
+    accumulation window: the micro-batches before it are dropped, those after
+    it up to the window's normal boundary are ignored, and the next window
+    starts where it would have started anyway.
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+        initial_scale: starting loss scale, in `[min_scale, max_scale]`.
+        dynamic_growth_steps: consecutive finite steps before the scale grows.
+        growth_factor: factor (> 1) applied when the scale grows.
+        backoff_factor: factor in (0, 1) applied when the scale backs off.
+        hysteresis: overflows tolerated before backing off (DeepSpeed's
+            `delayed_shift`); 1 backs off on every overflow.
+        consecutive_hysteresis: refill the hysteresis budget on every finite
+            step instead of only when the scale grows.
+        min_scale: the scale never goes below this (> 0).
+        max_scale: the scale never goes above this; `None` for no bound (the
+            scale still never becomes inf).
+        dynamic: `False` keeps the scale fixed at `initial_scale`.
+        name: the optimizer's name.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale=2.0**15,
+        dynamic_growth_steps=2000,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        hysteresis=1,
+        consecutive_hysteresis=False,
+        min_scale=1.0,
+        max_scale=2.0**24,
+        dynamic=True,
+        name=None,
+        **kwargs,
+    ):
+        _validate(
+            inner_optimizer,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        super().__init__(
+            inner_optimizer,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=int(dynamic_growth_steps),
+            name=name,
+            **kwargs,
+        )
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.hysteresis = int(hysteresis)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.min_scale = float(min_scale)
+        self.max_scale = None if max_scale is None else float(max_scale)
+        self.dynamic = bool(dynamic)
+
+    # ------------------------------------------------------------------ state
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        # Keras's own state first (step_counter, dynamic_scale), then ours, so
+        # that the first variables keep the stock optimizer's layout.
+        super().build(var_list)
+        int_state = dict(shape=(), dtype="int", aggregation="none")
+        self.hysteresis_budget = self.add_variable(
+            initializer=keras.initializers.Constant(self.hysteresis),
+            name="hysteresis_budget",
+            **int_state,
+        )
+        self.total_skipped_steps = self.add_variable(
+            initializer="zeros", name="skipped_steps", **int_state
+        )
+        self.consecutive_skipped_steps = self.add_variable(
+            initializer="zeros", name="consecutive_skipped_steps", **int_state
+        )
+        if self._accumulation_steps:
+            # Micro-steps left to ignore in an accumulation window that
+            # overflowed.
+            self.discarded_micro_steps = self.add_variable(
+                initializer="zeros", name="discarded_micro_steps", **int_state
+            )
+
+    @property
+    def loss_scale(self):
+        """The current loss scale, as a Python float."""
+        if not self.built:
+            return float(self.initial_scale)
+        return float(ops.convert_to_numpy(self.dynamic_scale))
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for non-finite gradients, as an int."""
+        if not self.built:
+            return 0
+        return int(ops.convert_to_numpy(self.total_skipped_steps))
+
+    @property
+    def _accumulation_steps(self):
+        return self.inner_optimizer.gradient_accumulation_steps or 0
+
+    def _state_variables(self):
+        """The variables `_next_state` reads and writes, by key."""
+        state = {
+            "scale": self.dynamic_scale,
+            "counter": self.step_counter,
+            "budget": self.hysteresis_budget,
+            "skipped": self.total_skipped_steps,
+            "consecutive": self.consecutive_skipped_steps,
+        }
+        if self._accumulation_steps:
+            state["discard"] = self.discarded_micro_steps
+            state["inner_iterations"] = self.inner_optimizer._iterations
+        return state
+
+    def _next_state(self, state, finite):
+        """The state after one step, given whether all gradients are finite.
+
+        `state` maps the keys of `_state_variables` to current values.
+        `finite` is a bool tensor, or a Python bool inside a branch that
+        already knows it (then only that branch's ops are built). Returns the
+        new values of the keys that change (a pure function: no variable is
+        touched), and `"reset_accumulators"` when the inner optimizer
+        accumulates gradients.
+        """
+        overflow = _not(finite)
+        new = {}
+        grow = False
+        if finite is not False:
+            counter = state["counter"] + 1
+            grow = _and(finite, counter >= self.dynamic_growth_steps)
+            new["counter"] = _where(_and(finite, _not(grow)), counter, 0)
+        else:
+            new["counter"] = 0
+        if overflow is not False:
+            new["skipped"] = state["skipped"] + (
+                1
+                if overflow is True
+                else ops.cast(overflow, state["skipped"].dtype)
+            )
+            new["consecutive"] = _where(finite, 0, state["consecutive"] + 1)
+        else:
+            new["consecutive"] = 0
+        if self.dynamic:
+            scale = state["scale"]
+            back_off = overflow
+            if self.hysteresis > 1:
+                refill = finite if self.consecutive_hysteresis else grow
+                budget = state["budget"]
+                if overflow is not False:
+                    back_off = _and(overflow, budget <= 1)
+                    budget = _where(
+                        _and(overflow, budget > 1), budget - 1, budget
+                    )
+                new["budget"] = _where(refill, self.hysteresis, budget)
+            new_scale = scale
+            if back_off is not False:
+                backed_off = ops.maximum(
+                    scale * self.backoff_factor, self.min_scale
+                )
+                new_scale = _where(back_off, backed_off, new_scale)
+            if grow is not False:
+                grown = scale * self.growth_factor
+                if self.max_scale is not None:
+                    grown = ops.minimum(grown, self.max_scale)
+                # Never grow to inf (PyTorch's rule): keep the scale instead.
+                grown = ops.where(ops.isfinite(grown), grown, scale)
+                new_scale = _where(grow, grown, new_scale)
+            new["scale"] = new_scale
+        if self._accumulation_steps:
+            k = self._accumulation_steps
+            discard = state["discard"]
+            # An overflow in a window not yet discarded: roll the inner
+            # optimizer's micro-step counter back to the window's start, drop
+            # what it accumulated, and ignore the rest of the window.
+            first = _and(overflow, ops.equal(discard, 0))
+            rest = 0
+            if first is not False:
+                iterations = state["inner_iterations"]
+                position = iterations % k
+                new["inner_iterations"] = _where(
+                    first, iterations - position, iterations
+                )
+                rest = _where(first, k - 1 - position, 0)
+            new["discard"] = ops.where(discard > 0, discard - 1, rest)
+            new["reset_accumulators"] = first
+        return new
+
+    # ------------------------------------------------------------ the update
+
+    def check_finite(self, grads):
+        """A scalar bool: whether every gradient is free of inf and NaN."""
+        flags = [
+            ops.all(ops.isfinite(_values(g))) for g in grads if g is not None
+        ]
+        return (
+            ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
+        )
+
+    def _unscale(self, grads, scale, trainable_variables):
+        return [
+            g
+            if g is None or self._overwrite_variable_with_gradient(v)
+            else _map_values(lambda x: ops.cast(x / scale, x.dtype), g)
+            for g, v in zip(grads, trainable_variables)
+        ]
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        backend = keras.backend.backend()
+        if backend == "tensorflow":
+            self._tf_apply(grads, trainable_variables)
+        elif backend == "jax":
+            self._jax_apply(grads, trainable_variables)
+        else:
+            self._stateful_apply(
+                grads, trainable_variables, self.check_finite(grads)
+            )
+
+    def _apply_inner(self, grads, trainable_variables):
+        tvs = trainable_variables or self._trainable_variables
+        self.inner_optimizer.apply(
+            self._unscale(grads, self.dynamic_scale, tvs),
+            trainable_variables=trainable_variables,
+        )
+
+    def _finite_step(self, apply_fn):
+        """Applies (unless the accumulation window is being discarded), then
+        updates the state as after a finite step."""
+        if self._accumulation_steps:
+            ops.cond(ops.equal(self.discarded_micro_steps, 0), apply_fn, _no_op)
+        else:
+            apply_fn()
+        self._update_state(True)
+
+    def _stateful_apply(self, grads, trainable_variables, finite):
+        """Applies or skips, then updates the scale state (TF, torch)."""
+        ops.cond(
+            finite,
+            lambda: self._finite_step(
+                lambda: self._apply_inner(grads, trainable_variables)
+            ),
+            lambda: self._update_state(False),
+        )
+
+    def _update_state(self, finite):
+        variables = self._state_variables()
+        new = self._next_state(_Reads(variables), finite)
+        reset = new.pop("reset_accumulators", False)
+        for key, value in new.items():
+            variables[key].assign(ops.cast(value, variables[key].dtype))
+        if reset is not False:
+            ops.cond(
+                reset,
+                self.inner_optimizer._backend_reset_gradient_accumulators,
+                _no_op,
+            )
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        import tensorflow as tf
+
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        if not tf.distribute.has_strategy():
+            self._stateful_apply(
+                grads, trainable_variables, self.check_finite(grads)
+            )
+            return
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            # Pure replica context: agree on the flag with an all-reduce.
+            overflows = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, self._overflow_count(grads)
+            )
+            self._stateful_apply(grads, trainable_variables, overflows == 0)
+            return
+
+        def merge_fn(distribution, grads, trainable_variables):
+            per_replica = distribution.extended.call_for_each_replica(
+                self._overflow_count, args=(grads,)
+            )
+            # Every replica's flag, across workers too, not replica 0's alone:
+            # all replicas apply the same all-reduced gradients, so all must
+            # take the same branch.
+            overflows = distribution.reduce(
+                tf.distribute.ReduceOp.SUM, per_replica, axis=None
+            )
+            # The cond must sit in cross-replica context: the inner apply
+            # calls merge_call, which a cond in replica context forbids. The
+            # state is updated here too, so every copy gets the same value.
+            ops.cond(
+                overflows == 0,
+                lambda: self._finite_step(
+                    lambda: distribution.extended.call_for_each_replica(
+                        self._apply_inner, args=(grads, trainable_variables)
+                    )
+                ),
+                lambda: self._update_state(False),
+            )
+
+        tf.distribute.get_replica_context().merge_call(
+            merge_fn, args=(grads, trainable_variables)
+        )
+
+    def _overflow_count(self, grads):
+        return ops.cast(ops.logical_not(self.check_finite(grads)), "float32")
+
+    def _jax_apply(self, grads, trainable_variables=None):
+        # Run the stateless update and write its results back: stateful
+        # assignments inside `lax.cond` branches would leak tracers (the stock
+        # optimizer's UnexpectedTracerError outside `fit`).
+        built_with = self._trainable_variables
+        if trainable_variables is not None:
+            full = [None] * len(built_with)
+            for g, v in zip(grads, trainable_variables):
+                full[self._get_variable_index(v)] = g
+            grads = full
+        if getattr(self, "_jitted_stateless_apply", None) is None:
+            import jax
+
+            self._jitted_stateless_apply = jax.jit(self.stateless_apply)
+        new_trainable, new_optimizer = self._jitted_stateless_apply(
+            [v.value for v in self.variables],
+            list(grads),
+            [v.value for v in built_with],
+        )
+        for variable, value in zip(built_with, new_trainable):
+            variable.assign(value)
+        for variable, value in zip(self.variables, new_optimizer):
+            variable.assign(value)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        if not self.built:
+            raise ValueError(
+                f"To call `stateless_apply`, {self.__class__.__name__} "
+                "must be built (i.e. its variables must have been created). "
+                "You can build it via `optimizer.build(trainable_variables)`."
+            )
+        optimizer_variables = list(optimizer_variables)
+        trainable_variables = list(trainable_variables)
+        index = {id(v): i for i, v in enumerate(self.variables)}
+        own_count = len(self._variables)
+        inner_values = optimizer_variables[own_count:]
+        state_variables = self._state_variables()
+        state = {
+            k: optimizer_variables[index[id(v)]]
+            for k, v in state_variables.items()
+        }
+
+        finite = self.check_finite(grads)
+        apply_now = finite
+        if self._accumulation_steps:
+            apply_now = ops.logical_and(finite, state["discard"] == 0)
+
+        def apply_inner():
+            unscaled = self._unscale(
+                grads, state["scale"], self._trainable_variables
+            )
+            new_tvs, new_inner = self.inner_optimizer.stateless_apply(
+                inner_values, unscaled, trainable_variables
+            )
+            return list(new_tvs), list(new_inner)
+
+        new_tvs, new_inner = ops.cond(
+            apply_now, apply_inner, lambda: (trainable_variables, inner_values)
+        )
+        new_values = optimizer_variables[:own_count] + list(new_inner)
+        if self._accumulation_steps:
+            # After the inner update, as the stateful path reads it.
+            i = index[id(self.inner_optimizer._iterations)]
+            state["inner_iterations"] = new_values[i]
+        new = self._next_state(state, finite)
+        reset = new.pop("reset_accumulators", False)
+        for key, value in new.items():
+            i = index[id(state_variables[key])]
+            new_values[i] = ops.cast(value, new_values[i].dtype)
+        if reset is not False:
+            for acc in self.inner_optimizer._accumulated_gradients:
+                i = index[id(acc)]
+                current = new_values[i]
+                new_values[i] = ops.cond(
+                    reset,
+                    lambda c=current: ops.zeros_like(c),
+                    lambda c=current: c,
+                )
+        return new_tvs, new_values
+
+    # ------------------------------------------------------------- config
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor,
+                "hysteresis": self.hysteresis,
+                "consecutive_hysteresis": self.consecutive_hysteresis,
+                "min_scale": self.min_scale,
+                "max_scale": self.max_scale,
+                "dynamic": self.dynamic,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # Accepts configs written by stock Keras's LossScaleOptimizer too:
+        # theirs is a subset of ours. Does not modify `config`.
+        return super().from_config(dict(config), custom_objects=custom_objects)
+
+
+def _not(a):
+    return (not a) if isinstance(a, bool) else ops.logical_not(a)
+
+
+def _and(a, b):
+    if isinstance(a, bool):
+        return b if a else False
+    if isinstance(b, bool):
+        return a if b else False
+    return ops.logical_and(a, b)
+
+
+def _where(condition, a, b):
+    if isinstance(condition, bool):
+        return a if condition else b
+    return ops.where(condition, a, b)
+
+
+def _no_op():
+    return None
+
+
+class _Reads(dict):
+    """Reads each state variable once, when first needed."""
+
+    def __init__(self, variables):
+        super().__init__()
+        self._variables = variables
+
+    def __missing__(self, key):
+        value = self[key] = ops.convert_to_tensor(self._variables[key])
+        return value
+
+
+def _values(g):
+    """The dense values of a gradient (`tf.IndexedSlices` keeps its values)."""
+    return getattr(g, "values", g) if _is_indexed_slices(g) else g
+
+
+def _map_values(fn, g):
+    if _is_indexed_slices(g):
+        import tensorflow as tf
+
+        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
+    return fn(g)
+
+
+def _is_indexed_slices(g):
+    return type(g).__name__ == "IndexedSlices"
+
+
+def _check_number(name, value, *, integer=False):
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(
+            f"`{name}` must be {'an integer' if integer else 'a number'}; "
+            f"received {name}={value!r}."
+        )
+    if not integer and math.isnan(value):
+        raise ValueError(
+            f"`{name}` must not be NaN; received {name}={value!r}."
+        )
+
+
+def _validate(
+    inner_optimizer,
+    *,
+    initial_scale,
+    dynamic_growth_steps,
+    growth_factor,
+    backoff_factor,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` must be a plain Keras optimizer, not a "
+            "LossScaleOptimizer (loss scaling would be applied twice); "
+            f"received {inner_optimizer!r}."
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` "
+            f"instance; received {inner_optimizer!r}."
+        )
+    _check_number("growth_factor", growth_factor)
+    if not 1 < growth_factor < math.inf:
+        raise ValueError(
+            "`growth_factor` must be a finite number > 1; "
+            f"received growth_factor={growth_factor!r}."
+        )
+    _check_number("backoff_factor", backoff_factor)
+    if not 0 < backoff_factor < 1:
+        raise ValueError(
+            "`backoff_factor` must be in the open interval (0, 1); "
+            f"received backoff_factor={backoff_factor!r}."
+        )
+    _check_number("dynamic_growth_steps", dynamic_growth_steps, integer=True)
+    if dynamic_growth_steps < 1:
+        raise ValueError(
+            "`dynamic_growth_steps` must be an integer >= 1; "
+            f"received dynamic_growth_steps={dynamic_growth_steps!r}."
+        )
+    _check_number("hysteresis", hysteresis, integer=True)
+    if hysteresis < 1:
+        raise ValueError(
+            "`hysteresis` must be an integer >= 1; "
+            f"received hysteresis={hysteresis!r}."
+        )
+    _check_number("min_scale", min_scale)
+    if not 0 < min_scale < math.inf:
+        raise ValueError(
+            "`min_scale` must be a finite number > 0; "
+            f"received min_scale={min_scale!r}."
+        )
+    if max_scale is not None:
+        _check_number("max_scale", max_scale)
+        if not min_scale <= max_scale < math.inf:
+            raise ValueError(
+                "`max_scale` must be None or a finite number >= min_scale "
+                f"({min_scale!r}); received max_scale={max_scale!r}."
+            )
+    _check_number("initial_scale", initial_scale)
+    upper = math.inf if max_scale is None else max_scale
+    if not (min_scale <= initial_scale <= upper and initial_scale < math.inf):
+        raise ValueError(
+            "`initial_scale` must be a finite number in [min_scale, max_scale]"
+            f" = [{min_scale!r}, {max_scale!r}]; "
+            f"received initial_scale={initial_scale!r}."
+        )
