@@ -31,6 +31,14 @@ def test_recommendation_follows_compute_capability(device, policy, warned):
         assert warnings == []
 
 
+def test_cpu_with_bf16_instructions_mentions_bfloat16_on_tensorflow():
+    cpu = Device("cpu", "cpu", bf16_instructions=True)
+    _, _, warnings = recommend([cpu], backend="tensorflow")
+    assert any("mixed_bfloat16 can train faster" in w for w in warnings)
+    _, _, warnings = recommend([cpu], backend="jax")
+    assert not any("mixed_bfloat16" in w for w in warnings)
+
+
 def test_cli_doctor_json_on_this_machine(capsys):
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
