@@ -5,8 +5,14 @@ Importing kerasmp installs its policy hooks (see `kerasmp._hooks`); they act
 only on layers governed by a `kerasmp.Policy`.
 """
 
+from kerasmp import callbacks
+from kerasmp import debug
+from kerasmp import export
 from kerasmp.doctor import doctor
+from kerasmp.errors import NonFiniteError
+from kerasmp.errors import NonFiniteWarning
 from kerasmp.optimizer import LossScaleOptimizer
+from kerasmp.plotting import plot_loss_scale
 from kerasmp.policy import DEFAULT_FLOAT32_LAYERS
 from kerasmp.policy import Float32Override
 from kerasmp.policy import Policy
@@ -24,11 +30,17 @@ __all__ = [
     "DTypeReport",
     "Float32Override",
     "LossScaleOptimizer",
+    "NonFiniteError",
+    "NonFiniteWarning",
     "Policy",
+    "callbacks",
+    "debug",
     "doctor",
+    "export",
     "dtype_report",
     "float32_rule",
     "global_policy",
+    "plot_loss_scale",
     "policy_scope",
     "set_global_policy",
 ]

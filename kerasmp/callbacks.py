@@ -1,0 +1,597 @@
+"""Callbacks that show the loss scale and explain every inf/NaN event.
+
+- `LossScaleMonitor` puts `loss_scale` and `skipped_steps` into the batch and
+  epoch logs, so they reach the progress bar, `History.history`, `CSVLogger`
+  and `TensorBoard` whatever the order of the callbacks.
+- `NonFiniteMonitor` records every skipped step and every non-finite loss or
+  weight as an event, tells normal calibration overflows from a run that is
+  stuck, names the layer that went non-finite, and can warn, stop, raise or
+  move that layer to float32 and carry on.
+"""
+
+import json
+import math
+import os
+import threading
+import warnings
+
+import keras
+from keras import ops
+
+from kerasmp import _step_tap
+from kerasmp.debug import find_nonfinite
+from kerasmp.errors import NonFiniteError
+from kerasmp.errors import NonFiniteWarning
+
+ACTIONS = ("warn", "stop", "raise", "fallback")
+KINDS = (
+    "calibration",
+    "overflow",
+    "stuck",
+    "nonfinite_loss",
+    "nonfinite_weights",
+)
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Adds `loss_scale` and `skipped_steps` to the training logs.
+
+    `loss_scale` is the optimizer's loss scale after each step and
+    `skipped_steps` the cumulative number of steps skipped because the
+    gradients were not finite. Both appear in the batch logs and in the epoch
+    logs (value at the end of the epoch), hence in the progress bar,
+    `History.history`, `CSVLogger` files and `TensorBoard` scalars, wherever
+    the monitor sits in the callback list. The values are read from the
+    optimizer's variables inside the train step and converted with the rest
+    of the logs: no extra device-to-host transfer per step.
+
+    Works with `kerasmp.optimizer.LossScaleOptimizer` and with Keras's own
+    `keras.optimizers.LossScaleOptimizer` (whose skipped steps are counted
+    from its `iterations`). With an optimizer that has no loss scale it logs
+    nothing and warns once.
+
+    Attributes:
+        trace: list of `(step, loss_scale, skipped_steps)`, one per train
+            step (steps counted from 0 over all `fit` calls; the scale and
+            count after that step), for `kerasmp.plotting.plot_loss_scale`.
+        initial_scale: the scale before the first step seen.
+        initial_skipped: `skipped_steps` before the first step seen.
+
+    Example:
+
+    ```python
+    history = model.fit(x, y, epochs=3, callbacks=[LossScaleMonitor()])
+    history.history["loss_scale"]     # one value per epoch
+    ```
+    """
+
+    # Nothing here needs to run before the next step: keep Keras's
+    # asynchronous dispatch of batch callbacks.
+    async_safe = True
+
+    def __init__(self):
+        super().__init__()
+        self.trace = []
+        self.initial_scale = None
+        self.initial_skipped = None
+        self._tap = None
+        self._warned = False
+        self._lock = threading.Lock()
+        self._next_step = 0
+        self._epoch_start = 0
+        self._epoch_batches = 0
+
+    def on_train_begin(self, logs=None):
+        self._tap = None
+        optimizer = self.model.optimizer
+        if not _step_tap.has_loss_scale(optimizer):
+            self._warn_once(
+                "LossScaleMonitor: the optimizer "
+                f"({type(optimizer).__name__}) has no loss scale; "
+                "`loss_scale` and `skipped_steps` will not be logged."
+            )
+            return
+        self._tap = _step_tap.StepTap.join(
+            self.model, self, self.params, publish=True
+        )
+        if self._tap is not None and self.initial_skipped is None:
+            self.initial_skipped = self._tap.initial_skipped
+            self.initial_scale = self._tap.initial_scale
+        if self._tap is None:
+            self._warn_once(
+                "LossScaleMonitor: logging the loss scale needs the TensorFlow "
+                "or JAX backend (without NNX); nothing will be logged."
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = self._next_step
+        self._epoch_batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._tap is None or not logs or "loss_scale" not in logs:
+            return
+        with self._lock:
+            self._epoch_batches = max(self._epoch_batches, batch + 1)
+            self.trace.append(
+                (
+                    self._epoch_start + batch,
+                    float(logs["loss_scale"]),
+                    int(logs.get("skipped_steps", 0)),
+                )
+            )
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._next_step = self._epoch_start + self._epoch_batches
+        self.trace.sort()
+
+    def on_train_end(self, logs=None):
+        if self._tap is not None:
+            self._tap.leave(self)
+            self._tap = None
+
+    def _warn_once(self, message):
+        if not self._warned:
+            warnings.warn(message, stacklevel=3)
+            self._warned = True
+
+
+class NonFiniteMonitor(keras.callbacks.Callback):
+    """Records every inf/NaN event of a training run, and acts on bad ones.
+
+    Each event is a dict with at least `step`, `epoch`, `batch`, `kind`,
+    `loss_scale` (the scale the step ran with), `next_loss_scale`, `layer`,
+    `variable`, `action` and `message`, kept in `.events` and, with
+    `log_file`, appended to that file as one JSON line. Kinds:
+
+    - `"calibration"`: the gradients overflowed before the first update of a
+      fresh optimizer, while the loss scale backs off from its initial value.
+      Normal.
+    - `"overflow"`: a skipped step after calibration. Isolated ones are
+      normal (the scale grew a step too far); the event notes when the loss
+      itself was non-finite, i.e. the forward pass overflowed.
+    - `"stuck"`: `patience` consecutive skipped steps, or a step skipped
+      while the scale was already at the optimizer's `min_scale`.
+    - `"nonfinite_loss"`: a non-finite loss on a step that was not skipped
+      (no loss scaling, or a loss-scale optimizer that did not catch it).
+    - `"nonfinite_weights"`: a weight holds inf or NaN (checked at the end of
+      each epoch and after a non-finite loss).
+
+    On `stuck`, `nonfinite_loss` and `nonfinite_weights` the monitor acts:
+
+    - `"warn"`: issue a `kerasmp.errors.NonFiniteWarning` and continue.
+    - `"stop"`: warn and set `model.stop_training`.
+    - `"raise"`: raise `kerasmp.errors.NonFiniteError` with the diagnosis.
+    - `"fallback"`: move the located layer (and its sublayers) to float32
+      compute, rebuild the train function and continue; the event lists the
+      layer under `fallback_layers`. If no layer was located, or it already
+      computes in float32, or the weights are already non-finite, it stops
+      instead and says why.
+
+    With `locate=True` the offending batch is replayed through
+    `kerasmp.debug.find_nonfinite` (eagerly, layer by layer: roughly the cost
+    of two training steps, only on actionable events and on the first skip of
+    a run of skips, never on calibration) and the event's `layer` names the
+    first layer whose output went non-finite, `variable` the first variable
+    whose gradient did. Keeping the batch costs no transfer: on TensorFlow the
+    step returns a reference to it (on the device), on JAX the train
+    function's wrapper keeps the batch the iterator yields.
+
+    Args:
+        action: one of `"warn"`, `"stop"`, `"raise"`, `"fallback"`.
+        patience: consecutive skipped steps that make a run `stuck` (int >= 1).
+        log_file: path of a JSON Lines file to append events to, or None.
+        locate: replay offending batches to name the layer (bool).
+
+    Example:
+
+    ```python
+    monitor = NonFiniteMonitor(action="fallback", log_file="events.jsonl")
+    model.fit(x, y, callbacks=[monitor])
+    for event in monitor.events:
+        print(event["step"], event["kind"], event["layer"])
+    ```
+    """
+
+    def __init__(self, action="warn", patience=50, log_file=None, locate=True):
+        super().__init__()
+        if not isinstance(action, str) or action not in ACTIONS:
+            raise ValueError(
+                "`action` must be one of "
+                f"{', '.join(repr(a) for a in ACTIONS)}; received "
+                f"action={action!r}."
+            )
+        if (
+            isinstance(patience, bool)
+            or not isinstance(patience, int)
+            or patience < 1
+        ):
+            raise ValueError(
+                "`patience` must be an integer >= 1; received "
+                f"patience={patience!r}."
+            )
+        if not isinstance(locate, bool):
+            raise ValueError(
+                f"`locate` must be True or False; received locate={locate!r}."
+            )
+        if log_file is not None:
+            if not isinstance(log_file, (str, os.PathLike)):
+                raise ValueError(
+                    "`log_file` must be None or a file path (str or "
+                    f"os.PathLike); received log_file={log_file!r}."
+                )
+            log_file = os.fspath(log_file)
+            try:
+                with open(log_file, "a", encoding="utf-8"):
+                    pass
+            except OSError as e:
+                raise ValueError(
+                    f"`log_file` is not writable: log_file={log_file!r} "
+                    f"({e.strerror or e})."
+                ) from None
+        self.action = action
+        self.patience = patience
+        self.log_file = log_file
+        self.locate = locate
+        self.events = []
+        self.trace = []
+        self.initial_scale = None
+        self.initial_skipped = None
+        self.fallbacks = []
+        self.last_report = None
+        self._tap = None
+        self._next_step = 0
+
+    # ------------------------------------------------------------ callbacks
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        optimizer = model.optimizer
+        self._tap = _step_tap.StepTap.join(
+            model, self, self.params, keep_batch=self.locate
+        )
+        self._scaled = self._tap is not None and _step_tap.has_loss_scale(
+            optimizer
+        )
+        self._consecutive = 0
+        self._stuck = False
+        self._weights_bad = False
+        self._calibrating = False
+        self._loss_ok = True
+        self._epoch = 0
+        self._batch_begin = 0
+        self._scale = None
+        self._skipped = 0
+        if self._scaled:
+            self._scale = self._tap.initial_scale
+            if self.initial_scale is None:
+                self.initial_scale = self._scale
+            self._min_scale = float(getattr(optimizer, "min_scale", 1.0) or 0)
+            self._dynamic = bool(getattr(optimizer, "dynamic", True))
+            self._skipped = self._tap.initial_skipped
+            if self.initial_skipped is None:
+                self.initial_skipped = self._skipped
+            fresh = int(_step_tap.read(optimizer.iterations)) == 0
+            self._calibrating = self._dynamic and fresh and self._skipped == 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._loss_ok = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        logs = logs or {}
+        steps = max(1, batch - self._batch_begin + 1)
+        step = self._next_step + steps - 1
+        self._next_step += steps
+        loss = logs.get("loss")
+        loss_went_bad = (
+            self._loss_ok
+            and isinstance(loss, (int, float))
+            and not math.isfinite(loss)
+        )
+        if loss_went_bad:
+            self._loss_ok = False
+        if self._scaled:
+            scale, skipped = self._tap.values(logs)
+            if scale is not None:
+                scale_before, self._scale = self._scale, scale
+                new_skips = 0
+                if skipped is not None:
+                    new_skips = skipped - self._skipped
+                    self._skipped = skipped
+                self.trace.append((step, scale, self._skipped))
+                if new_skips > 0:
+                    self._on_skip(
+                        step,
+                        batch,
+                        new_skips,
+                        steps,
+                        scale_before,
+                        loss,
+                        loss_went_bad,
+                    )
+                    return
+                self._end_skip_run()
+        if loss_went_bad:
+            self._on_nonfinite_loss(step, batch, loss)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._weights_bad:
+            return
+        variable = _first_nonfinite_weight(self.model)
+        if variable is None:
+            return
+        self._weights_bad = True
+        event = self._event(
+            "nonfinite_weights", self._next_step - 1, None, self._scale, None
+        )
+        event["variable"] = variable
+        self._maybe_locate(event, self._scale, keep_variable=True)
+        self._finish(event, actionable=True)
+
+    def on_train_end(self, logs=None):
+        if self._tap is not None:
+            self._tap.leave(self)
+            self._tap = None
+
+    # -------------------------------------------------------------- events
+
+    def _on_skip(
+        self, step, batch, new_skips, steps, scale_before, loss, loss_went_bad
+    ):
+        if new_skips >= steps:
+            self._consecutive += new_skips
+        else:  # some steps of a multi-step call were applied
+            self._consecutive = new_skips
+        first_in_run = self._consecutive == new_skips
+        if loss_went_bad:
+            # The forward pass overflowed: no loss scale can fix that.
+            self._calibrating = False
+        at_min = self._dynamic and scale_before <= self._min_scale
+        if self._calibrating and not at_min:
+            kind = "calibration"
+        elif at_min or self._consecutive >= self.patience:
+            kind = "stuck"
+        else:
+            kind = "overflow"
+        event = self._event(kind, step, batch, scale_before, loss)
+        event["consecutive_skips"] = self._consecutive
+        event["at_min_scale"] = at_min
+        if loss_went_bad:
+            event["loss_finite"] = False
+        actionable = kind == "stuck" and not self._stuck
+        if kind == "stuck":
+            self._stuck = True
+        if actionable or (kind == "overflow" and first_in_run):
+            self._maybe_locate(event, scale_before)
+        if new_skips < steps:
+            self._end_skip_run(consecutive=new_skips)
+        self._finish(event, actionable=actionable)
+
+    def _end_skip_run(self, consecutive=0):
+        self._calibrating = False
+        self._consecutive = consecutive
+        if consecutive == 0:
+            self._stuck = False
+
+    def _on_nonfinite_loss(self, step, batch, loss):
+        event = self._event("nonfinite_loss", step, batch, self._scale, loss)
+        self._maybe_locate(event, self._scale or 1.0)
+        variable = (
+            None if self._weights_bad else _first_nonfinite_weight(self.model)
+        )
+        event["weights_finite"] = variable is None and not self._weights_bad
+        if variable is None:
+            self._finish(event, actionable=True)
+            return
+        # The update went through and broke the weights: act once, on that.
+        self._weights_bad = True
+        self._finish(event, actionable=False)
+        weights = dict(event, kind="nonfinite_weights", variable=variable)
+        weights.pop("weights_finite")
+        self._finish(weights, actionable=True)
+
+    def _event(self, kind, step, batch, scale, loss):
+        return {
+            "step": int(step),
+            "epoch": int(self._epoch),
+            "batch": batch,
+            "kind": kind,
+            "loss_scale": scale,
+            "next_loss_scale": self._scale,
+            "skipped_steps": self._skipped if self._scaled else None,
+            "loss": loss,
+            "layer": None,
+            "variable": None,
+            "action": None,
+        }
+
+    def _maybe_locate(self, event, scale, keep_variable=False):
+        if not self.locate:
+            return
+        batch = self._tap.batch() if self._tap is not None else None
+        if batch is None:
+            event["locate_error"] = "the offending batch is not available"
+            return
+        x, y, sample_weight = batch
+        model = self.model
+        if getattr(model, "_compile_loss", None) is None:
+            y = None
+        _sync_jax_state(model)
+        try:
+            report = find_nonfinite(
+                model,
+                x,
+                y,
+                sample_weight=sample_weight,
+                loss_scale=scale or 1.0,
+            )
+        except Exception as e:  # locating must never break training
+            event["locate_error"] = f"{type(e).__name__}: {e}"
+            return
+        self.last_report = report
+        event["layer"] = report.layer
+        if not keep_variable or event.get("variable") is None:
+            event["variable"] = report.variable
+
+    def _finish(self, event, actionable):
+        report = self.last_report if event.get("layer") else None
+        fallback_failed = None
+        if actionable:
+            action = self.action
+            if action == "fallback":
+                fallback_failed = self._fallback(event, report)
+                if fallback_failed:
+                    action = "stop"
+            event["action"] = action
+        event["message"] = _diagnosis(event, self, fallback_failed)
+        self.events.append(event)
+        self._write(event)
+        if not actionable:
+            return
+        if event["action"] in ("warn", "stop"):
+            warnings.warn(event["message"], NonFiniteWarning, stacklevel=3)
+        if event["action"] == "stop":
+            self.model.stop_training = True
+        if event["action"] == "raise":
+            if self._tap is not None:
+                self._tap.uninstall()  # leave the model as fit found it
+                self._tap = None
+            raise NonFiniteError(event["message"], event=event, report=report)
+
+    def _fallback(self, event, report):
+        """Moves the located layer to float32; returns why not, or None."""
+        path = event.get("layer")
+        if path is None or report is None:
+            return "no layer output was non-finite on the offending batch"
+        if event["kind"] == "nonfinite_weights" or self._weights_bad:
+            return "the weights are already non-finite"
+        layer = report.layer_object(path)
+        targets = [layer] + list(layer._flatten_layers(include_self=False))
+        if any(
+            keras.backend.standardize_dtype(v.dtype) != "float32"
+            for t in targets
+            for v in t.weights
+            if v.trainable
+        ):
+            return f"layer {path!r} has variables that are not float32"
+        if all(t.compute_dtype == "float32" for t in targets):
+            return f"layer {path!r} already computes in float32"
+        for t in targets:
+            t.dtype_policy = "float32"
+        self._tap.rebuild(dirty=True)
+        self.fallbacks.append(path)
+        event["fallback_layers"] = [path]
+        # A new start for the layer: forget the run of skips.
+        self._consecutive = 0
+        self._stuck = False
+        return None
+
+    def _write(self, event):
+        if self.log_file is None:
+            return
+        with open(self.log_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(_jsonable(event)) + "\n")
+
+
+def _diagnosis(event, monitor, fallback_failed):
+    kind = event["kind"]
+    step = event["step"]
+    scale = event["loss_scale"]
+    nxt = event["next_loss_scale"]
+    where = ""
+    if event.get("layer"):
+        where += f" First non-finite layer output: {event['layer']!r}."
+    if event.get("variable") and kind != "nonfinite_weights":
+        where += f" First non-finite gradient: {event['variable']!r}."
+    if kind == "calibration":
+        text = (
+            f"step {step}: gradients overflowed at loss scale {scale:g}; the "
+            f"step was skipped and the scale backed off to {nxt:g}. Normal: "
+            "the scale starts high and backs off until scaled gradients fit "
+            "in float16 (calibration)."
+        )
+    elif kind == "overflow":
+        text = (
+            f"step {step}: non-finite gradients at loss scale {scale:g}; the "
+            f"step was skipped (weights untouched), scale now {nxt:g}."
+        )
+        if event.get("loss_finite") is False:
+            text += (
+                " The loss itself was non-finite: the forward pass "
+                "overflowed, which loss scaling cannot fix."
+            )
+        else:
+            text += " Isolated skips are normal after the scale grows."
+        text += where
+    elif kind == "stuck":
+        if event.get("at_min_scale"):
+            why = (
+                f"the loss scale is at its minimum ({monitor._min_scale:g}) "
+                "and the gradients still overflow"
+            )
+        else:
+            why = (
+                f"{event.get('consecutive_skips')} consecutive steps were "
+                f"skipped (patience {monitor.patience})"
+            )
+        text = f"step {step}: training is stuck: {why}." + where
+        if event.get("layer") and not event.get("fallback_layers"):
+            text += (
+                f" Compute {event['layer']!r} in float32 (e.g. "
+                "kerasmp.Policy(float32_layers=...)) or use "
+                "NonFiniteMonitor(action='fallback')."
+            )
+    elif kind == "nonfinite_loss":
+        text = (
+            f"step {step}: the loss is {event['loss']} and the update was "
+            "applied (no loss-scale skip)." + where
+        )
+    else:
+        text = (
+            f"epoch {event['epoch']}: weights hold inf/NaN (first: "
+            f"{event.get('variable')!r})." + where
+        )
+    if event.get("fallback_layers"):
+        text += (
+            f" Fallback: {', '.join(event['fallback_layers'])} now computes "
+            "in float32; training continues."
+        )
+    elif fallback_failed:
+        text += f" Fallback impossible ({fallback_failed}): stopping."
+    return "kerasmp.NonFiniteMonitor: " + text
+
+
+def _jsonable(event):
+    out = {}
+    for key, value in event.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            value = str(value)
+        out[key] = value
+    return out
+
+
+def _sync_jax_state(model):
+    if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
+
+
+def _first_nonfinite_weight(model):
+    """Path of the first float weight holding inf/NaN, or None (one sync)."""
+    _sync_jax_state(model)
+    weights = [
+        v
+        for v in model.weights
+        if keras.backend.is_float_dtype(
+            keras.backend.standardize_dtype(v.dtype)
+        )
+    ]
+    if not weights:
+        return None
+    flags = ops.stack([ops.all(ops.isfinite(v)) for v in weights])
+    flags = _step_tap.read(flags)
+    if flags.all():
+        return None
+    return weights[int((~flags).argmax())].path

@@ -1,0 +1,499 @@
+"""Find the first layer (and gradient) that goes non-finite on a batch.
+
+`find_nonfinite(model, x, y)` replays one batch eagerly, records every
+layer's output in execution order, and, given `y`, computes the gradients of
+the (optionally scaled) loss. The model's state (batch-norm statistics, seed
+generators, metrics) is restored afterwards, so it is safe to call in the
+middle of training.
+"""
+
+import contextlib
+import dataclasses
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+_FLOAT_MAX = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
+
+def _float_max(dtype):
+    return _FLOAT_MAX.get(dtype)
+
+
+@dataclasses.dataclass
+class LayerRow:
+    """What one layer produced on the batch.
+
+    Attributes:
+        path: the layer's path inside the model, e.g. `"block/dense_1"`.
+        class_name: the layer's class.
+        dtype: dtype of the output (the layer's compute dtype).
+        max_abs: largest |value| in the output; `inf` or `nan` when the output
+            holds inf or NaN.
+        headroom: `finfo(dtype).max / max_abs`: how many times larger the
+            output could get before overflowing (`0.0` when non-finite,
+            `inf` for an all-zero output).
+        finite: whether every output value is finite.
+        grad_max_abs: largest |gradient| of the layer's own trainable
+            variables (None without `y`, or when the layer owns none).
+        grad_finite: whether those gradients are all finite (None likewise).
+    """
+
+    path: str
+    class_name: str
+    dtype: str
+    max_abs: float
+    headroom: float
+    finite: bool
+    grad_max_abs: float = None
+    grad_finite: bool = None
+
+
+class NonFiniteReport:
+    """Result of `find_nonfinite`. `print(report)` shows a table.
+
+    Attributes:
+        layer: path of the first layer, in execution order, whose output holds
+            inf or NaN; None if every output is finite.
+        variable: the first trainable variable, in backpropagation order
+            (the variable nearest the loss), whose gradient holds inf or NaN,
+            as `"<layer path>/<variable name>"` (e.g. `"block/dense_1/kernel"`);
+            None if all are finite or no `y` was given.
+        rows: one `LayerRow` per layer call, in execution order (a nested
+            layer comes before the layer that contains it).
+        loss: the unscaled loss on the batch (None without `y`).
+        loss_scale: the factor the loss was multiplied by for the gradients.
+    """
+
+    def __init__(self, rows, layer, variable, loss, loss_scale, layers):
+        self.rows = rows
+        self.layer = layer
+        self.variable = variable
+        self.loss = loss
+        self.loss_scale = loss_scale
+        self._layers = layers
+
+    def layer_object(self, path):
+        """The layer object at `path` (a path from `rows`)."""
+        return self._layers[path]
+
+    @property
+    def finite(self):
+        """True if no output, gradient or loss was non-finite."""
+        loss_ok = self.loss is None or math.isfinite(self.loss)
+        return self.layer is None and self.variable is None and loss_ok
+
+    def __str__(self):
+        with_grads = any(r.grad_finite is not None for r in self.rows)
+        header = ["#", "layer", "class", "dtype", "max|output|", "headroom"]
+        if with_grads:
+            header.append("max|grad|")
+        table = [header]
+        for i, r in enumerate(self.rows):
+            line = [
+                str(i),
+                r.path,
+                r.class_name,
+                r.dtype,
+                _fmt(r.max_abs),
+                "x" + _fmt(r.headroom) if r.finite else "none",
+            ]
+            if with_grads:
+                line.append(
+                    "" if r.grad_max_abs is None else _fmt(r.grad_max_abs)
+                )
+            table.append(line)
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        first = next(
+            (i for i, r in enumerate(self.rows, 1) if not r.finite), None
+        )
+        lines = []
+        for i, row in enumerate(table):
+            line = "  ".join(c.ljust(w) for c, w in zip(row, widths))
+            if i == first:
+                line += "  <- first non-finite output"
+            lines.append(line.rstrip())
+        summary = [
+            f"first non-finite layer output: {self.layer}",
+        ]
+        if with_grads or self.loss is not None:
+            summary.append(
+                f"first non-finite gradient (backprop order): {self.variable}"
+            )
+            summary.append(
+                f"loss: {_fmt(self.loss)} (gradients of loss x "
+                f"{_fmt(self.loss_scale)})"
+            )
+        return "\n".join(lines + summary)
+
+    def __repr__(self):
+        return (
+            f"<NonFiniteReport layer={self.layer!r} variable={self.variable!r}"
+            f" rows={len(self.rows)}>"
+        )
+
+
+def _fmt(value):
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:.3g}"
+
+
+def layer_paths(model):
+    """Maps `id(layer)` to the layer's path inside `model` ("block/dense").
+
+    Paths are made of layer names, joined by "/", without the model's own
+    name. A layer reachable by several paths gets the first one found.
+    """
+    paths = {}
+
+    def visit(layer, prefix):
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            if id(child) in paths or child is model:
+                continue
+            path = f"{prefix}/{child.name}" if prefix else child.name
+            paths[id(child)] = (path, child)
+            visit(child, path)
+
+    visit(model, "")
+    return paths
+
+
+@contextlib.contextmanager
+def _record_calls(model, record):
+    """Calls `record(layer, output)` after each sublayer's `call` returns."""
+    wrapped = []
+    for path, layer in layer_paths(model).values():
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        had_own = "call" in layer.__dict__
+        original = layer.call
+
+        def call(*args, _original=original, _layer=layer, **kwargs):
+            outputs = _original(*args, **kwargs)
+            record(_layer, outputs)
+            return outputs
+
+        # object.__setattr__: keep this out of Keras's attribute tracking.
+        object.__setattr__(layer, "call", call)
+        wrapped.append((layer, had_own, original))
+    try:
+        yield
+    finally:
+        for layer, had_own, original in wrapped:
+            if had_own:
+                object.__setattr__(layer, "call", original)
+            else:
+                object.__delattr__(layer, "call")
+
+
+def _float_arrays(structure):
+    arrays = []
+    for t in keras.tree.flatten(structure):
+        if t is None or not hasattr(t, "dtype"):
+            continue
+        dtype = keras.backend.standardize_dtype(t.dtype)
+        if _float_max(dtype) is None:
+            continue
+        arrays.append((dtype, np.asarray(ops.convert_to_numpy(t))))
+    return arrays
+
+
+def _stats(arrays):
+    """(dtype, max_abs, headroom, finite) over float arrays; None if none."""
+    if not arrays:
+        return None
+    dtype = arrays[0][0]
+    finite = True
+    has_nan = False
+    max_abs = 0.0
+    headroom = math.inf
+    for dt, a in arrays:
+        a = a.astype(np.float64)
+        ok = np.isfinite(a)
+        if not ok.all():
+            finite = False
+            has_nan = has_nan or bool(np.isnan(a).any())
+            continue
+        if a.size:
+            m = float(np.max(np.abs(a)))
+            max_abs = max(max_abs, m)
+            if m > 0:
+                headroom = min(headroom, _float_max(dt) / m)
+    if not finite:
+        return dtype, (math.nan if has_nan else math.inf), 0.0, False
+    return dtype, max_abs, headroom, True
+
+
+def _snapshot(variables):
+    return [(v, ops.convert_to_numpy(v.value)) for v in variables]
+
+
+def _restore(snapshot):
+    for v, value in snapshot:
+        v.assign(value)
+
+
+def _call_kwargs(model, training):
+    return {"training": training} if model._call_has_training_arg else {}
+
+
+def _user_loss(loss):
+    """A function (y, y_pred, sample_weight) -> scalar float32 loss."""
+    loss = keras.losses.get(loss)
+
+    def compute(y, y_pred, sample_weight):
+        if isinstance(loss, keras.losses.Loss):
+            value = loss(y, y_pred, sample_weight=sample_weight)
+        else:
+            value = loss(y, y_pred)
+        return ops.mean(ops.cast(value, "float32"))
+
+    return compute
+
+
+def _check_loss(model, loss):
+    if loss is None and getattr(model, "_compile_loss", None) is None:
+        raise ValueError(
+            "find_nonfinite: to check gradients (`y` given), compile the "
+            "model with a loss or pass `loss=`; received loss=None and a "
+            "model without a compiled loss."
+        )
+
+
+def _gradients_tf(model, x, y, sample_weight, loss, scale, training):
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        y_pred = model(x, **_call_kwargs(model, training))
+        if loss is None:
+            value = model.compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=training,
+            )
+        else:
+            value = _user_loss(loss)(y, y_pred, sample_weight)
+        value = ops.cast(value, "float32")
+        scaled = value * scale
+    return value, tape.gradient(scaled, variables)
+
+
+def _gradients_jax(model, x, y, sample_weight, loss, scale, training):
+    import jax
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    metrics = [v.value for v in model.metrics_variables]
+    kwargs = _call_kwargs(model, training)
+
+    def scaled_loss(trainable):
+        # Mirrors JAXTrainer.compute_loss_and_updates, without the optimizer.
+        y_pred, new_non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
+        if loss is not None:
+            value = _user_loss(loss)(y, y_pred, sample_weight)
+        else:
+            if losses:
+                model._losses_override.clear()
+                model._losses_override = losses
+            try:
+                value, _ = model.stateless_compute_loss(
+                    trainable,
+                    new_non_trainable,
+                    metrics,
+                    x=x,
+                    y=y,
+                    y_pred=y_pred,
+                    sample_weight=sample_weight,
+                    training=training,
+                )
+            finally:
+                if losses:
+                    model._losses_override.clear()
+        value = ops.cast(value, "float32")
+        return value * scale, value
+
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+    (_, value), grads = grad_fn(trainable)
+    return value, grads
+
+
+def _gradients(model, x, y, sample_weight, loss, scale, training):
+    _check_loss(model, loss)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        fn = _gradients_tf
+    elif backend == "jax":
+        fn = _gradients_jax
+    else:
+        raise NotImplementedError(
+            f"find_nonfinite checks gradients on the TensorFlow and JAX "
+            f"backends only (current: {backend!r}); call it without `y`."
+        )
+    value, grads = fn(model, x, y, sample_weight, loss, scale, training)
+    return float(ops.convert_to_numpy(value)), grads
+
+
+def find_nonfinite(
+    model,
+    x,
+    y=None,
+    sample_weight=None,
+    loss=None,
+    loss_scale=None,
+    training=True,
+):
+    """Replays a batch layer by layer and names the first non-finite result.
+
+    Runs `model` on `x` eagerly, recording each layer's output in execution
+    order (Sequential, Functional and subclassed models alike, nested layers
+    included, with their paths such as `"block/dense_1"`). With `y`, also
+    computes the gradients of `loss x loss_scale` with respect to the
+    trainable variables, the way a training step does. Weights are never
+    changed; batch-norm statistics, seed generators and metrics are restored
+    after the replay.
+
+    Args:
+        model: a built or buildable `keras.Model`.
+        x: one batch of inputs.
+        y: targets for that batch; if given, gradients are checked too.
+        sample_weight: optional sample weights for the loss.
+        loss: loss to use instead of the model's compiled loss.
+        loss_scale: factor applied to the loss before differentiating, as in
+            loss-scaled training. None: the current scale of the model's
+            optimizer if it has one (`dynamic_scale`), else 1.
+        training: the `training` flag the layers are called with (True
+            reproduces a training step: dropout, batch statistics).
+
+    Returns:
+        A `NonFiniteReport`.
+
+    Example:
+
+    ```python
+    report = kerasmp.debug.find_nonfinite(model, x_batch, y_batch)
+    print(report)          # one row per layer: max |output|, headroom
+    report.layer           # e.g. "block/attention/softmax", or None
+    ```
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"find_nonfinite: `model` must be a keras.Model; received {model!r}"
+        )
+    if loss_scale is None:
+        scale_var = getattr(
+            getattr(model, "optimizer", None), "dynamic_scale", None
+        )
+        loss_scale = (
+            1.0 if scale_var is None else float(ops.convert_to_numpy(scale_var))
+        )
+    loss_scale = float(loss_scale)
+
+    paths = layer_paths(model)
+    calls = []
+
+    def record(layer, outputs):
+        calls.append((layer, _stats(_float_arrays(outputs))))
+
+    state = _snapshot(
+        list(model.non_trainable_variables) + list(model.metrics_variables)
+    )
+    try:
+        with _record_calls(model, record):
+            model(x, **_call_kwargs(model, training))
+        _restore(state)
+        loss_value = grads = None
+        if y is not None:
+            loss_value, grads = _gradients(
+                model, x, y, sample_weight, loss, loss_scale, training
+            )
+    finally:
+        _restore(state)
+
+    rows = []
+    by_path = {}
+    row_index = {}
+    first_layer = None
+    for layer, stats in calls:
+        path, _ = paths[id(layer)]
+        by_path[path] = layer
+        if stats is None:
+            continue
+        dtype, max_abs, headroom, finite = stats
+        row_index.setdefault(id(layer), len(rows))
+        rows.append(
+            LayerRow(
+                path, type(layer).__name__, dtype, max_abs, headroom, finite
+            )
+        )
+        if not finite and first_layer is None:
+            first_layer = path
+
+    first_variable = None
+    if grads is not None:
+        first_variable = _gradient_rows(
+            model, calls, paths, rows, row_index, grads
+        )
+    return NonFiniteReport(
+        rows, first_layer, first_variable, loss_value, loss_scale, by_path
+    )
+
+
+def _gradient_rows(model, calls, paths, rows, row_index, grads):
+    """Fills the gradient columns; returns the first non-finite variable."""
+    # Each variable belongs to the first layer, in execution order, that owns
+    # it: nested layers finish before their parents, so the innermost wins.
+    owner = {}
+    for position, (layer, _) in enumerate(calls):
+        for v in layer.trainable_variables:
+            owner.setdefault(id(v), position)
+    per_row = {}
+    candidates = []
+    for index, (v, g) in enumerate(zip(model.trainable_variables, grads)):
+        if g is None:
+            continue
+        g = np.asarray(
+            ops.convert_to_numpy(getattr(g, "values", g)), np.float64
+        )
+        finite = bool(np.isfinite(g).all())
+        if finite:
+            max_abs = float(np.max(np.abs(g))) if g.size else 0.0
+        else:
+            max_abs = math.nan if np.isnan(g).any() else math.inf
+        position = owner.get(id(v), len(calls))
+        name = v.path
+        if position < len(calls):
+            layer = calls[position][0]
+            name = f"{paths[id(layer)][0]}/{v.name}"
+            row = row_index.get(id(layer))
+            if row is not None:
+                per_row.setdefault(row, []).append((finite, max_abs))
+        if not finite:
+            candidates.append((position, -index, name))
+    for row, values in per_row.items():
+        finite = all(f for f, _ in values)
+        if finite:
+            max_abs = max(m for _, m in values)
+        else:
+            max_abs = next(m for f, m in values if not f)
+        rows[row].grad_max_abs = max_abs
+        rows[row].grad_finite = finite
+    if not candidates:
+        return None
+    # Backpropagation order: the variable of the latest-executed layer first;
+    # within a layer, its first variable.
+    return max(candidates)[2]

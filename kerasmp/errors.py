@@ -1,0 +1,30 @@
+"""Exceptions and warnings that kerasmp raises."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced inf or NaN that loss scaling cannot absorb.
+
+    Raised by `kerasmp.callbacks.NonFiniteMonitor(action="raise")`. The
+    message is the monitor's diagnosis; `event` is the event dict it recorded
+    (step, epoch, kind, loss scale, located layer, ...), and `report` the
+    `kerasmp.debug.NonFiniteReport` of the offending batch when one was made.
+
+    Example:
+
+    ```python
+    try:
+        model.fit(x, y, callbacks=[NonFiniteMonitor(action="raise")])
+    except NonFiniteError as e:
+        print(e.event["kind"], e.event["layer"])
+        print(e.report)
+    ```
+    """
+
+    def __init__(self, message, event=None, report=None):
+        super().__init__(message)
+        self.event = event
+        self.report = report
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Warning issued by `NonFiniteMonitor` (filter it with `warnings`)."""
