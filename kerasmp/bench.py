@@ -1,0 +1,781 @@
+"""`kerasmp bench`: is mixed precision faster, and lighter, on this machine?
+
+Trains a small model zoo (an MLP, a CNN and a transformer encoder) for a few
+steps under each policy, in one process, and reports per model and policy:
+
+- `steps_per_s`: training steps per second, the median over `repeats` timed
+  `fit` calls. Each timed call runs `steps` steps; the clock starts when the
+  first step's logs reach the callbacks and stops at the last step's, so
+  tracing/compilation (a warm-up `fit` beforehand), data-pipeline set-up and
+  the first step are excluded. Logs are read every step, so every timed step
+  has finished on the device.
+- `activation_bytes`: the activation memory a training step keeps for the
+  backward pass, estimated as the sum of the outputs of every leaf layer
+  (nested layers included, such as the query/key/value projections and the
+  softmax inside `MultiHeadAttention`), plus the inputs, for one training
+  batch, in the dtype each layer actually outputs (read on one forward
+  pass; on JAX a trace with `jax.eval_shape`, nothing computed). This is
+  what mixed precision halves; weights and optimizer state stay float32.
+- `peak_bytes`: the framework's own count, where it has one. TensorFlow on a
+  GPU: `tf.config.experimental.get_memory_info(...)["peak"]` over the timed
+  calls (after `reset_memory_stats`). JAX (any device): XLA's memory plan of
+  the compiled train step, `argument + output + temp - alias` bytes from
+  `jax.jit(model.train_step).lower(...).compile().memory_analysis()`
+  (weights, optimizer state, batch and every temporary). JAX's
+  `peak_bytes_in_use` is a process-wide high-water mark that cannot be
+  reset, so it is only recorded (`device_peak_bytes_in_use`), not compared.
+  TensorFlow on a CPU has no counter: None.
+
+Policies: `float32`, `float32_highest` (float32 with TF32 matmuls disabled:
+`jax_default_matmul_precision="highest"` on JAX,
+`enable_tensor_float_32_execution(False)` on TensorFlow; it differs from
+`float32` only on GPUs with TF32), `mixed_float16` (with
+`kerasmp.optimizer.LossScaleOptimizer`) and `mixed_bfloat16`.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+
+import keras
+import numpy as np
+
+MODELS = ("mlp", "cnn", "transformer")
+POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16")
+DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+NUM_CLASSES = 10
+
+MEMORY_METHOD = (
+    "activation_bytes: sum of the outputs of every leaf layer (nested layers "
+    "included) and the inputs for one training batch, in the dtype each "
+    "layer outputs (one forward pass). peak_bytes: TensorFlow GPU "
+    "get_memory_info peak over the timed calls; JAX: XLA memory plan of the "
+    "compiled train step (argument + output + temp - alias); TensorFlow CPU: "
+    "none."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of one benchmark model.
+
+    Args:
+        name: `"mlp"`, `"cnn"` or `"transformer"`.
+        batch_size: Training batch size.
+        width: MLP hidden units, CNN base filters, or transformer `d_model`.
+        depth: Hidden layers (MLP), conv blocks (CNN) or encoder blocks.
+        input_size: MLP input features, CNN image side, transformer sequence
+            length.
+        heads: Attention heads (transformer only).
+        vocab: Vocabulary of the transformer's token ids (its input is int32
+            ids through an `Embedding`, so each step moves little data to
+            the device).
+        dropout: Attention dropout (transformer only). Above 0, Keras's
+            `MultiHeadAttention` takes its explicit einsum + `Softmax` path
+            (the softmax computes in float32 under a kerasmp policy); at 0
+            it calls the fused `ops.dot_product_attention`, which on the
+            JAX backend fails for float16 on a CPU ("precision
+            'F16_F16_F32' is not supported by dot_general on CPU") but is
+            the fast path on a GPU.
+    """
+
+    name: str
+    batch_size: int
+    width: int
+    depth: int
+    input_size: int
+    heads: int = 1
+    dropout: float = 0.0
+    vocab: int = 1000
+
+    def describe(self):
+        if self.name == "mlp":
+            return (f"MLP {self.input_size}-" + "-".join(
+                [str(self.width)] * self.depth) + f"-{NUM_CLASSES}")
+        if self.name == "cnn":
+            return (f"CNN {self.input_size}x{self.input_size}x3, "
+                    f"{self.depth} conv blocks from {self.width} filters")
+        return (f"transformer encoder x{self.depth}, d_model {self.width}, "
+                f"{self.heads} heads, seq {self.input_size}, vocab "
+                f"{self.vocab}, attention dropout {self.dropout:g}")
+
+
+PRESETS = {
+    # CPU smoke run: the whole zoo in well under two minutes on 2 cores.
+    "quick": dict(
+        models=(
+            ModelSpec("mlp", 64, 256, 2, 128),
+            ModelSpec("cnn", 16, 16, 2, 16),
+            ModelSpec("transformer", 8, 64, 1, 32, heads=4, dropout=0.1),
+        ),
+        steps=10, repeats=3,
+    ),
+    # Default: a few minutes on a laptop CPU, seconds on a GPU.
+    "default": dict(
+        models=(
+            ModelSpec("mlp", 256, 1024, 3, 784),
+            ModelSpec("cnn", 64, 32, 3, 32),
+            ModelSpec("transformer", 16, 256, 2, 128, heads=8, dropout=0.1,
+                      vocab=8192),
+        ),
+        steps=20, repeats=5,
+    ),
+    # One GPU: a transformer encoder that keeps the chip busy (64k tokens a
+    # step, ~22 TFLOP per step: about half a second in float32 "highest" on
+    # an H100/H200, well under a tenth in bfloat16).
+    "gpu": dict(
+        models=(ModelSpec("transformer", 128, 1024, 4, 512, heads=16,
+                          vocab=32768),),
+        steps=15, repeats=3,
+    ),
+    # The gpu preset's code path at CPU size (tests of benchmarks/gpu).
+    "smoke": dict(
+        models=(ModelSpec("transformer", 4, 64, 1, 16, heads=4,
+                          dropout=0.1, vocab=128),),
+        steps=3, repeats=2,
+    ),
+}
+
+
+# --------------------------------------------------------------------------
+# Models and data
+# --------------------------------------------------------------------------
+
+
+def build_model(spec):
+    """Builds the benchmark model of `spec` under the current global policy.
+
+    Args:
+        spec: A `ModelSpec`.
+
+    Returns:
+        A `keras.Model` ending in a softmax over 10 classes.
+    """
+    layers = keras.layers
+    if spec.name == "mlp":
+        inputs = keras.Input((spec.input_size,), name="features")
+        x = inputs
+        for i in range(spec.depth):
+            x = layers.Dense(spec.width, activation="relu",
+                             name=f"dense_{i}")(x)
+    elif spec.name == "cnn":
+        inputs = keras.Input((spec.input_size, spec.input_size, 3),
+                             name="image")
+        x = inputs
+        for i in range(spec.depth):
+            filters = spec.width * 2**i
+            x = layers.Conv2D(filters, 3, padding="same", name=f"conv_{i}")(x)
+            x = layers.BatchNormalization(name=f"bn_{i}")(x)
+            x = layers.Activation("relu", name=f"relu_{i}")(x)
+            if i < spec.depth - 1:
+                x = layers.MaxPooling2D(name=f"pool_{i}")(x)
+        x = layers.GlobalAveragePooling2D(name="gap")(x)
+    elif spec.name == "transformer":
+        inputs = keras.Input((spec.input_size,), dtype="int32",
+                             name="tokens")
+        x = layers.Embedding(spec.vocab, spec.width, name="embedding")(inputs)
+        for i in range(spec.depth):
+            x = encoder_block(x, spec.width, spec.heads, 4 * spec.width,
+                              dropout=spec.dropout, name=f"block_{i}")
+        x = layers.GlobalAveragePooling1D(name="pool")(x)
+    else:
+        raise ValueError(
+            f"Invalid model name {spec.name!r}. Allowed values: "
+            f"{', '.join(MODELS)}."
+        )
+    x = layers.Dense(NUM_CLASSES, name="logits")(x)
+    outputs = layers.Activation("softmax", name="softmax")(x)
+    return keras.Model(inputs, outputs, name=f"bench_{spec.name}")
+
+
+def encoder_block(x, d_model, heads, d_ff, dropout=0.0, name="block"):
+    """A pre-norm transformer encoder block (functional API).
+
+    Args:
+        x: A symbolic tensor of shape `(batch, seq, d_model)`.
+        d_model: Model width.
+        heads: Number of attention heads (`d_model % heads == 0`).
+        d_ff: Width of the feed-forward layer.
+        dropout: Attention dropout. Defaults to 0.
+        name: Prefix of the layer names.
+
+    Returns:
+        The block's output, same shape as `x`.
+    """
+    layers = keras.layers
+    h = layers.LayerNormalization(name=f"{name}_ln1")(x)
+    h = layers.MultiHeadAttention(heads, d_model // heads, dropout=dropout,
+                                  name=f"{name}_mha")(h, h)
+    x = layers.Add(name=f"{name}_add1")([x, h])
+    h = layers.LayerNormalization(name=f"{name}_ln2")(x)
+    h = layers.Dense(d_ff, activation="gelu", name=f"{name}_ff1")(h)
+    h = layers.Dense(d_model, name=f"{name}_ff2")(h)
+    return layers.Add(name=f"{name}_add2")([x, h])
+
+
+def make_data(spec, n, seed=0):
+    """Random inputs and labels for `n` samples of `spec`'s model."""
+    rng = np.random.default_rng(seed)
+    if spec.name == "transformer":
+        x = rng.integers(0, spec.vocab, size=(n, spec.input_size),
+                         dtype="int32")
+    else:
+        if spec.name == "mlp":
+            shape = (n, spec.input_size)
+        else:
+            shape = (n, spec.input_size, spec.input_size, 3)
+        x = rng.standard_normal(shape, dtype="float32")
+    y = rng.integers(0, NUM_CLASSES, size=(n,)).astype("int32")
+    return x, y
+
+
+# --------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------
+
+
+class _StepTimer(keras.callbacks.Callback):
+    """Times the steps after the first one of a `fit` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = self.end = None
+        self.timed_steps = 0
+        self.last_logs = {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if batch == 0:
+            self.start = now
+        else:
+            self.end = now
+            self.timed_steps = batch
+        self.last_logs = dict(logs or {})
+
+
+def activation_bytes(model, x):
+    """Bytes of the leaf-layer outputs (and inputs) of one forward pass.
+
+    Runs `model(x, training=True)` once (on JAX only traced, with
+    `jax.eval_shape`: nothing is computed) and adds up the size of the
+    floating-point outputs of every layer that has no sublayers (nested
+    layers included), in the dtype each one returns, plus `x` itself: to
+    first order, the activations a training step keeps for the backward
+    pass.
+
+    Args:
+        model: A built `keras.Model`.
+        x: One batch of inputs.
+
+    Returns:
+        An int (bytes).
+    """
+    leaves = [
+        layer for layer in model._flatten_layers(include_self=False)
+        if not list(layer._flatten_layers(include_self=False))
+        and not isinstance(layer, keras.layers.InputLayer)
+    ]
+    total = [0]
+    wrapped = []
+
+    def add(outputs):
+        for t in keras.tree.flatten(outputs):
+            dtype = getattr(t, "dtype", None)
+            if dtype is None:
+                continue
+            dtype = keras.backend.standardize_dtype(dtype)
+            if "float" in dtype:
+                total[0] += int(np.prod(t.shape)) * np.dtype(
+                    _numpy_dtype(dtype)).itemsize
+
+    for layer in leaves:
+        had_own = "call" in layer.__dict__
+        original = layer.call
+
+        def call(*args, _original=original, **kwargs):
+            outputs = _original(*args, **kwargs)
+            add(outputs)
+            return outputs
+
+        object.__setattr__(layer, "call", call)
+        wrapped.append((layer, had_own, original))
+    state = []
+    try:
+        if keras.backend.backend() == "jax":
+            # Shapes and dtypes only: trace, don't compute (op-by-op eager
+            # JAX compiles every op).
+            import jax
+
+            def forward(trainable, non_trainable, x):
+                return model.stateless_call(trainable, non_trainable, x,
+                                            training=True)[0]
+
+            jax.eval_shape(
+                forward,
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                x,
+            )
+        else:
+            state = [(v, keras.ops.convert_to_numpy(v.value))
+                     for v in model.non_trainable_variables]
+            model(x, training=True)
+    finally:
+        for layer, had_own, original in wrapped:
+            if had_own:
+                object.__setattr__(layer, "call", original)
+            else:
+                object.__delattr__(layer, "call")
+        for v, value in state:
+            v.assign(value)
+    add(keras.ops.convert_to_tensor(x))
+    return total[0]
+
+
+def _numpy_dtype(dtype):
+    if dtype == "bfloat16":
+        return "float16"  # same size (2 bytes); numpy has no bfloat16
+    return dtype
+
+
+def _accelerator():
+    """`("gpu"|"tpu"|"cpu", device name)` of the active backend."""
+    from kerasmp.doctor import doctor
+
+    dev = doctor().devices[0]
+    return dev.kind, dev.name
+
+
+@contextlib.contextmanager
+def _matmul_precision(highest):
+    """float32 matmuls in full precision (no TF32) inside the block."""
+    if not highest:
+        yield
+        return
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        previous = jax.config.jax_default_matmul_precision
+        jax.config.update("jax_default_matmul_precision", "highest")
+        try:
+            yield
+        finally:
+            jax.config.update("jax_default_matmul_precision", previous)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        previous = tf.config.experimental.tensor_float_32_execution_enabled()
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+        try:
+            yield
+        finally:
+            tf.config.experimental.enable_tensor_float_32_execution(previous)
+    else:
+        yield
+
+
+def _tf_gpu_peak(reset):
+    import tensorflow as tf
+
+    if not tf.config.list_logical_devices("GPU"):
+        return None
+    if reset:
+        tf.config.experimental.reset_memory_stats("GPU:0")
+        return None
+    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+
+
+def _jax_step_bytes(model, x, y):
+    """XLA's memory plan of the compiled train step, in bytes (or None)."""
+    import jax
+
+    state = model._get_jax_state(
+        trainable_variables=True, non_trainable_variables=True,
+        optimizer_variables=True, metrics_variables=True,
+    )
+    spec = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, (x, y))
+    )
+    compiled = jax.jit(model.train_step, donate_argnums=0).lower(
+        *spec).compile()
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes
+               + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _jax_device_peak():
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else int(peak)
+
+
+def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
+    """Measures one model under one policy.
+
+    Args:
+        spec: A `ModelSpec`.
+        policy: One of `POLICIES`.
+        steps: Steps per timed `fit` call (>= 2; the first is not timed).
+        repeats: Timed `fit` calls; the median is reported.
+        seed: Seed of the weights and the data.
+        learning_rate: Adam's learning rate (small: the data is random).
+
+    Returns:
+        A dict: one row of the benchmark's JSON.
+    """
+    from kerasmp.optimizer import LossScaleOptimizer
+    from kerasmp.policy import Policy
+    from kerasmp.policy import policy_scope
+
+    highest = policy == "float32_highest"
+    name = "float32" if highest else policy
+    backend = keras.backend.backend()
+    kind = _accelerator()[0]
+    keras.backend.clear_session()
+    if backend != "jax":
+        # keras.utils.set_random_seed also seeds TensorFlow when it is
+        # installed, i.e. imports it: not in a JAX run (GPU memory).
+        keras.utils.set_random_seed(seed)
+    x, y = make_data(spec, spec.batch_size * steps, seed)
+    with _matmul_precision(highest):
+        with policy_scope(Policy(name)):
+            model = build_model(spec)
+        optimizer = keras.optimizers.Adam(learning_rate)
+        if name == "mixed_float16":
+            optimizer = LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer,
+                      loss="sparse_categorical_crossentropy")
+        # Warm-up: traces/compiles the train step, builds the optimizer.
+        model.fit(x[: 2 * spec.batch_size], y[: 2 * spec.batch_size],
+                  batch_size=spec.batch_size, epochs=1, shuffle=False,
+                  verbose=0)
+        if kind == "gpu" and backend == "tensorflow":
+            _tf_gpu_peak(reset=True)
+        rates, loss = [], None
+        for _ in range(repeats):
+            timer = _StepTimer()
+            model.fit(x, y, batch_size=spec.batch_size, epochs=1,
+                      shuffle=False, verbose=0, callbacks=[timer])
+            if timer.end is None or timer.end <= timer.start:
+                raise ValueError(
+                    f"`steps` must be at least 2 to time a step; got {steps}."
+                )
+            rates.append(timer.timed_steps / (timer.end - timer.start))
+            loss = timer.last_logs.get("loss")
+        peak = None
+        peak_source = None
+        device_peak = None
+        if backend == "tensorflow" and kind == "gpu":
+            peak = _tf_gpu_peak(reset=False)
+            peak_source = "tf.config.experimental.get_memory_info peak"
+        elif backend == "jax":
+            batch = (x[: spec.batch_size], y[: spec.batch_size])
+            peak = _jax_step_bytes(model, *batch)
+            peak_source = "XLA memory_analysis of the train step"
+            device_peak = _jax_device_peak()
+    act = activation_bytes(model, x[: spec.batch_size])
+    steps_per_s = statistics.median(rates)
+    row = {
+        "model": spec.name,
+        "description": spec.describe(),
+        "policy": policy,
+        "compute_dtype": model.get_layer("logits").compute_dtype,
+        "batch_size": spec.batch_size,
+        "params": int(model.count_params()),
+        "steps": steps,
+        "repeats": repeats,
+        "steps_per_s": steps_per_s,
+        "steps_per_s_repeats": rates,
+        "samples_per_s": steps_per_s * spec.batch_size,
+        "activation_bytes": act,
+        "peak_bytes": peak,
+        "peak_source": peak_source,
+        "device_peak_bytes_in_use": device_peak,
+        "final_loss": None if loss is None else float(loss),
+        "loss_finite": loss is not None and math.isfinite(float(loss)),
+        "loss_scale": getattr(model.optimizer, "loss_scale", None),
+    }
+    del model
+    keras.backend.clear_session()
+    return row
+
+
+def _add_ratios(rows, baseline):
+    base = {r["model"]: r for r in rows if r["policy"] == baseline}
+    for r in rows:
+        b = base.get(r["model"])
+        r["speedup_vs_baseline"] = (
+            r["steps_per_s"] / b["steps_per_s"] if b else None
+        )
+        r["activation_ratio_vs_baseline"] = (
+            r["activation_bytes"] / b["activation_bytes"] if b else None
+        )
+        r["peak_ratio_vs_baseline"] = (
+            r["peak_bytes"] / b["peak_bytes"]
+            if b and r["peak_bytes"] and b["peak_bytes"] else None
+        )
+    return rows
+
+
+def run_bench(preset="default", models=None, policies=DEFAULT_POLICIES,
+              steps=None, repeats=None, batch_size=None, verbose=True,
+              run_order=None, on_progress=None):
+    """Runs the benchmark and returns its result dict.
+
+    Args:
+        preset: `"quick"`, `"default"`, `"gpu"` or `"smoke"` (sizes, steps
+            and repeats; see `PRESETS`).
+        models: Names of the models to run, a subset of the preset's.
+            Defaults to all of them.
+        policies: Policies to compare, from `POLICIES`, in the order of the
+            table. Ratios are relative to the first one (the baseline).
+        steps: Steps per timed call (overrides the preset; >= 2).
+        repeats: Timed calls per model and policy (overrides the preset).
+        batch_size: Batch size for every model (overrides the preset).
+        verbose: Print progress lines.
+        run_order: The same policies in the order to run them (e.g. the
+            slowest last), or None for `policies`' order.
+        on_progress: Called with the result so far after each row (e.g. to
+            save partial results of a run that may be cut short), or None.
+
+    Returns:
+        A dict with `rows` (one per model and policy) and the metadata.
+
+    Example:
+
+    ```python
+    result = kerasmp.bench.run_bench("quick")
+    print(kerasmp.bench.format_table(result))
+    [(r["model"], r["policy"], r["speedup_vs_baseline"])
+     for r in result["rows"]]
+    ```
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"Invalid `preset`: {preset!r}. Allowed values: "
+                         f"{', '.join(PRESETS)}.")
+    specs = PRESETS[preset]["models"]
+    if models is not None:
+        unknown = [m for m in models if m not in {s.name for s in specs}]
+        if unknown:
+            raise ValueError(
+                f"Invalid `models` {unknown}: the {preset!r} preset has "
+                f"{', '.join(s.name for s in specs)}."
+            )
+        specs = tuple(s for s in specs if s.name in models)
+    policies = tuple(policies)
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies or len(set(policies)) != len(policies):
+        raise ValueError(f"Invalid `policies` {bad or policies}: distinct "
+                         f"values from {', '.join(POLICIES)}.")
+    run_order = policies if run_order is None else tuple(run_order)
+    if sorted(run_order) != sorted(policies):
+        raise ValueError(f"Invalid `run_order` {run_order}: it must hold the "
+                         f"same policies as `policies` {policies}.")
+    steps = PRESETS[preset]["steps"] if steps is None else steps
+    repeats = PRESETS[preset]["repeats"] if repeats is None else repeats
+    for arg, value, low in (("steps", steps, 2), ("repeats", repeats, 1),
+                            ("batch_size", batch_size, 1)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or (
+                value < low):
+            raise ValueError(f"`{arg}` must be an integer >= {low}. "
+                             f"Received: {value!r}")
+    if batch_size is not None:
+        specs = tuple(dataclasses.replace(s, batch_size=batch_size)
+                      for s in specs)
+    kind, device_name = _accelerator()
+    started = time.perf_counter()
+    meta = {
+        "kerasmp_version": _kerasmp_version(),
+        "keras_version": keras.__version__,
+        "backend": keras.backend.backend(),
+        "device_kind": kind,
+        "device": device_name,
+        "preset": preset,
+        "steps": steps,
+        "repeats": repeats,
+        "baseline": policies[0],
+        "timing": "median over repeats of (steps - 1) / time from the end "
+                  "of the first step to the end of the last, after a "
+                  "warm-up fit",
+        "memory_method": MEMORY_METHOD,
+        "models": {s.name: s.describe() for s in specs},
+    }
+    rows = []
+
+    def result(complete):
+        ordered = sorted(
+            (dict(r) for r in rows),
+            key=lambda r: ([s.name for s in specs].index(r["model"]),
+                           policies.index(r["policy"])),
+        )
+        out = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+            **meta,
+            "complete": complete,
+            "rows": _add_ratios(ordered, policies[0]),
+            "total_time_s": round(time.perf_counter() - started, 3),
+        }
+        if kind == "cpu":
+            out["advice"] = _advice()
+        return out
+
+    for spec in specs:
+        for policy in run_order:
+            if verbose:
+                print(f"  {spec.name:<12} {policy:<16}", end="", flush=True)
+            t = time.perf_counter()
+            rows.append(bench_one(spec, policy, steps, repeats))
+            if verbose:
+                print(f" {rows[-1]['steps_per_s']:9.2f} steps/s "
+                      f"({time.perf_counter() - t:.1f} s)", flush=True)
+            if on_progress is not None:
+                on_progress(result(complete=False))
+    return result(complete=True)
+
+
+def _kerasmp_version():
+    import kerasmp
+
+    return kerasmp.__version__
+
+
+def _advice():
+    from kerasmp.doctor import doctor
+
+    report = doctor()
+    return {"recommended_policy": report.recommended_policy,
+            "reason": report.reason, "warnings": report.warnings}
+
+
+def _mib(n):
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _ratio(r):
+    return "-" if r is None else f"x{r:.2f}"
+
+
+def format_table(result):
+    """The benchmark result as a text table.
+
+    Args:
+        result: The dict `run_bench` returns.
+
+    Returns:
+        A multi-line string.
+    """
+    vs = "vs " + result["baseline"].replace("float32", "f32")
+    header = ("model", "policy", "steps/s", vs, "act MiB", vs, "peak MiB",
+              vs, "loss")
+    rows = [header]
+    for r in result["rows"]:
+        rows.append((
+            r["model"], r["policy"], f"{r['steps_per_s']:.2f}",
+            _ratio(r["speedup_vs_baseline"]), _mib(r["activation_bytes"]),
+            _ratio(r["activation_ratio_vs_baseline"]), _mib(r["peak_bytes"]),
+            _ratio(r["peak_ratio_vs_baseline"]),
+            "ok" if r["loss_finite"] else "NON-FINITE",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        f"kerasmp bench: backend {result['backend']}, {result['device_kind']}"
+        f": {result['device']}, preset {result['preset']}, "
+        f"{result['steps']} steps x {result['repeats']} repeats (median)",
+    ]
+    for name, desc in result["models"].items():
+        lines.append(f"  {name}: {desc}")
+    lines.append("")
+    for i, row in enumerate(rows):
+        lines.append("  ".join(
+            c.ljust(w) if j < 2 else c.rjust(w)
+            for j, (c, w) in enumerate(zip(row, widths))
+        ))
+        if i == 0:
+            lines.append("-" * len(lines[-1]))
+    lines.append("")
+    lines.append("steps/s: " + result["timing"] + ".")
+    lines.append("memory: " + result["memory_method"])
+    advice = result.get("advice")
+    if advice:
+        lines.append("")
+        lines.append(f"doctor: recommended policy here: "
+                     f"{advice['recommended_policy']} ({advice['reason']})")
+        for w in advice["warnings"]:
+            lines.append(f"doctor: {w}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser):
+    """Adds the `kerasmp bench` arguments to an argparse parser.
+
+    Args:
+        parser: An `argparse.ArgumentParser` (e.g. a sub-command parser).
+    """
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models, few steps (under two minutes on "
+                        "a CPU)")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                        help="model sizes, steps and repeats (default: "
+                        "'default', or 'quick' with --quick)")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=None,
+                        help="models to run (default: all of the preset's)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES,
+                        default=list(DEFAULT_POLICIES),
+                        help="policies to compare; ratios are relative to "
+                        "the first")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per timed call")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per model and policy")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="batch size of every model")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the result as JSON to PATH")
+    return parser
+
+
+def run(args):
+    """Runs `kerasmp bench` from parsed arguments; returns the exit code."""
+    preset = args.preset or ("quick" if args.quick else "default")
+    try:
+        result = run_bench(preset, models=args.models,
+                           policies=args.policies, steps=args.steps,
+                           repeats=args.repeats, batch_size=args.batch_size)
+    except (ValueError, TypeError) as e:
+        print(f"kerasmp bench: error: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def main(argv=None):
+    """Entry point of `python -m kerasmp.bench`; returns the exit code."""
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="kerasmp bench",
+        description="Steps/s and memory of float32 vs mixed precision for "
+        "an MLP, a CNN and a transformer encoder on this device.",
+    ))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""`kerasmp demo`: float32 vs mixed precision on real data, in one command.
+
+Trains the same small CNN twice on the 8x8 handwritten digits that ship with
+kerasmp (`kerasmp.data.load_digits`, nothing is downloaded): once in float32,
+once under a `kerasmp.Policy` ("mixed_float16" by default) with
+`kerasmp.optimizer.LossScaleOptimizer`, `LossScaleMonitor` and
+`NonFiniteMonitor`. Both runs start from the same weights and see the batches
+in the same order (same seed). It then exports the mixed-precision model in
+half precision with `kerasmp.export` and prints a table: test accuracy, wall
+time, final loss scale, skipped steps, events, export size ratio and parity.
+
+Artifacts, under `--out` (default `./kerasmp-demo`):
+
+- `history.csv`: per-epoch metrics of both runs (loss scale included),
+- `loss_scale.png`: the loss scale per step with skipped steps and events
+  (needs matplotlib: `pip install kerasmp[plot]`),
+- `events.jsonl`: the `NonFiniteMonitor` events,
+- `model.keras`: the trained mixed-precision model (float32 master weights),
+- `model_fp16.keras` (and `model_fp16_savedmodel/` on TensorFlow): the
+  half-precision export (`model_bf16...` with `--policy mixed_bfloat16`),
+- `summary.json`: everything the table shows, and more.
+"""
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import keras
+import numpy as np
+
+POLICIES = ("mixed_float16", "mixed_bfloat16")
+DEFAULT_EPOCHS = 12
+QUICK_EPOCHS = 2
+BATCH_SIZE = 32
+LEARNING_RATE = 3e-3
+GROWTH_STEPS = 100
+SUMMARY_VERSION = 1
+
+
+def build_cnn(num_classes=10, input_shape=(8, 8, 1)):
+    """The demo's CNN: two convolutions, batch norm, a dense head, softmax.
+
+    Under a `kerasmp.Policy` the convolutions and dense layers compute in
+    half precision and `BatchNormalization` and the final softmax in float32.
+
+    Args:
+        num_classes: Number of output classes. Defaults to 10.
+        input_shape: Shape of one image. Defaults to `(8, 8, 1)`.
+
+    Returns:
+        A `keras.Sequential` model (outputs: class probabilities).
+
+    Example:
+
+    >>> model = kerasmp.demo.build_cnn()
+    >>> model.output_shape
+    (None, 10)
+    """
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input(input_shape, name="image"),
+            layers.Conv2D(16, 3, padding="same", activation="relu",
+                          name="conv1"),
+            layers.BatchNormalization(momentum=0.9, name="bn"),
+            layers.Conv2D(32, 3, padding="same", activation="relu",
+                          name="conv2"),
+            layers.MaxPooling2D(name="pool"),
+            layers.Flatten(name="flatten"),
+            layers.Dense(64, activation="relu", name="dense"),
+            layers.Dense(num_classes, name="logits"),
+            layers.Activation("softmax", name="softmax"),
+        ],
+        name="digits_cnn",
+    )
+
+
+class _ProgressBar(keras.callbacks.Callback):
+    """One progress bar over all the steps of a run, with the loss scale.
+
+    Redrawn in place on a terminal; elsewhere (CI logs, notebooks' captured
+    output) one line per epoch.
+    """
+
+    width = 24
+
+    def __init__(self, epochs, steps_per_epoch, verbose, stream=None):
+        super().__init__()
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.total = epochs * steps_per_epoch
+        self.verbose = verbose
+        self.stream = stream or sys.stdout
+        self.interactive = bool(getattr(self.stream, "isatty", None)
+                                and self.stream.isatty())
+        self._epoch = 0
+        self._logs = {}
+        self._start = None
+        self._last_draw = 0.0
+
+    def on_train_begin(self, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._logs = dict(logs or {})
+        now = time.perf_counter()
+        if self.interactive and now - self._last_draw > 0.1:
+            self._last_draw = now
+            self._draw(self._epoch * self.steps_per_epoch + batch + 1, "\r")
+
+    def on_epoch_end(self, epoch, logs=None):
+        done = (epoch + 1) * self.steps_per_epoch
+        if self.interactive:
+            self._draw(done, "\r")
+        else:
+            self._draw(done, "", "\n")
+
+    def on_train_end(self, logs=None):
+        if self.interactive and self.verbose:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, step, prefix, suffix=""):
+        if not self.verbose:
+            return
+        step = min(step, self.total)
+        filled = int(self.width * step / self.total)
+        bar = "=" * filled + (">" if filled < self.width else "")
+        bar = bar.ljust(self.width)
+        logs = self._logs
+        parts = [f"[{bar}] {step:>{len(str(self.total))}}/{self.total}",
+                 f"epoch {self._epoch + 1}/{self.epochs}"]
+        if "loss" in logs:
+            parts.append(f"loss {float(logs['loss']):.4f}")
+        if "accuracy" in logs:
+            parts.append(f"acc {float(logs['accuracy']):.3f}")
+        if "loss_scale" in logs:
+            parts.append(f"scale {_fmt_scale(float(logs['loss_scale']))}")
+        if "skipped_steps" in logs:
+            parts.append(f"skipped {int(logs['skipped_steps'])}")
+        parts.append(f"{time.perf_counter() - self._start:.1f}s")
+        self.stream.write(prefix + "  ".join(parts) + suffix)
+        self.stream.flush()
+
+
+def _check_args(policy, epochs, seed, quick, batch_size):
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(
+            f"Invalid `policy`: {policy!r}. Allowed values: "
+            f"{', '.join(POLICIES)}."
+        )
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+    ):
+        raise ValueError(
+            f"`epochs` must be an integer >= 1 (or None). Received: {epochs!r}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(
+            f"`seed` must be an integer >= 0. Received: seed={seed!r}"
+        )
+    if not isinstance(quick, bool):
+        raise TypeError(f"`quick` must be True or False. Received: {quick!r}")
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int)
+        or batch_size < 1
+    ):
+        raise ValueError(
+            f"`batch_size` must be an integer >= 1. Received: {batch_size!r}"
+        )
+
+
+def _train(name, policy, data, epochs, seed, batch_size, out, verbose):
+    """Builds, trains and evaluates one model.
+
+    Returns:
+        `(model, run, history, nonfinite_monitor)`: `run` is the run's dict
+        in the summary; the monitor is None for the float32 run.
+    """
+    from kerasmp.callbacks import LossScaleMonitor
+    from kerasmp.callbacks import NonFiniteMonitor
+    from kerasmp.optimizer import LossScaleOptimizer
+    from kerasmp.policy import policy_scope
+
+    (x, y), (x_test, y_test) = data
+    steps_per_epoch = math.ceil(len(x) / batch_size)
+    keras.utils.set_random_seed(seed)
+    with policy_scope(policy):
+        model = build_cnn()
+    schedule = keras.optimizers.schedules.CosineDecay(
+        LEARNING_RATE, decay_steps=epochs * steps_per_epoch
+    )
+    optimizer = keras.optimizers.Adam(schedule)
+    scaled = model.get_layer("conv1").compute_dtype == "float16"
+    callbacks = [_ProgressBar(epochs, steps_per_epoch, verbose)]
+    nonfinite = None
+    if scaled:
+        optimizer = LossScaleOptimizer(
+            optimizer, dynamic_growth_steps=GROWTH_STEPS
+        )
+        callbacks.append(LossScaleMonitor())
+    if name != "float32":
+        events_path = os.path.join(out, "events.jsonl")
+        if os.path.exists(events_path):
+            os.remove(events_path)
+        nonfinite = NonFiniteMonitor(action="warn", log_file=events_path)
+        callbacks.append(nonfinite)
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    start = time.perf_counter()
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=True,
+        callbacks=callbacks, verbose=0,
+    )
+    wall = time.perf_counter() - start
+    test_loss, test_accuracy = model.evaluate(
+        x_test, y_test, batch_size=256, verbose=0
+    )
+    run = {
+        "policy": policy.name,
+        "compute_dtype": model.get_layer("conv1").compute_dtype,
+        "test_accuracy": float(test_accuracy),
+        "test_loss": float(test_loss),
+        "train_accuracy": float(history.history["accuracy"][-1]),
+        "wall_time_s": round(wall, 3),
+        "steps": epochs * steps_per_epoch,
+        "loss_scaling": scaled,
+        "initial_loss_scale": None,
+        "final_loss_scale": None,
+        "skipped_steps": None,
+        "events": None,
+    }
+    if scaled:
+        run["initial_loss_scale"] = float(optimizer.initial_scale)
+        run["final_loss_scale"] = optimizer.loss_scale
+        run["skipped_steps"] = optimizer.skipped_steps
+        run["dynamic_growth_steps"] = GROWTH_STEPS
+    if nonfinite is not None:
+        by_kind = {}
+        for event in nonfinite.events:
+            by_kind[event["kind"]] = by_kind.get(event["kind"], 0) + 1
+        run["events"] = {"total": len(nonfinite.events), "by_kind": by_kind}
+    return model, run, history, nonfinite
+
+
+def _write_history(path, histories):
+    keys = []
+    for _, history in histories:
+        for k in history.history:
+            if k not in keys:
+                keys.append(k)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "epoch"] + keys)
+        for run, history in histories:
+            n = len(next(iter(history.history.values())))
+            for epoch in range(n):
+                row = [run, epoch + 1]
+                for k in keys:
+                    values = history.history.get(k)
+                    row.append("" if values is None else float(values[epoch]))
+                writer.writerow(row)
+
+
+def _plot(monitor, path, title):
+    """Writes the loss-scale PNG; returns None or why it was skipped."""
+    if monitor is None or not monitor.trace:
+        return "no loss scale in this run (bfloat16 needs no loss scaling)"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return ("matplotlib is not installed (pip install kerasmp[plot]); "
+                "no loss-scale plot")
+    from kerasmp.plotting import plot_loss_scale
+
+    plot_loss_scale(monitor, path, title=title)
+    return None
+
+
+# Largest |probability difference| of a half-precision export vs float32
+# that `passed` accepts: float16 keeps 11 significant bits, bfloat16 8.
+PARITY_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+
+
+def _export(model, out, dtype, x_test, y_test):
+    """Exports `model` in half precision; returns a list of dicts."""
+    from kerasmp.export import export
+
+    short = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+    targets = [("keras", os.path.join(out, f"model_{short}.keras"))]
+    if keras.backend.backend() == "tensorflow":
+        targets.append(
+            ("savedmodel", os.path.join(out, f"model_{short}_savedmodel"))
+        )
+    results = []
+    for fmt, path in targets:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = export(model, path, format=fmt, dtype=dtype,
+                            sample=x_test, overwrite=True)
+        entry = report.to_dict()
+        entry["parity_tolerance"] = PARITY_TOLERANCE[dtype]
+        entry["passed"] = report.passed(PARITY_TOLERANCE[dtype])
+        entry["test_accuracy"] = _served_accuracy(fmt, path, x_test, y_test)
+        results.append(entry)
+    return results
+
+
+def _served_accuracy(fmt, path, x_test, y_test):
+    """Test accuracy of the exported artifact, loaded the way users load it."""
+    if fmt == "keras":
+        served = keras.saving.load_model(path, compile=False)
+        probs = keras.ops.convert_to_numpy(served(x_test, training=False))
+    else:
+        import tensorflow as tf
+
+        serve = tf.saved_model.load(path).signatures["serving_default"]
+        outputs = serve(tf.constant(x_test))
+        probs = next(iter(outputs.values())).numpy()
+    return float(np.mean(np.argmax(probs, axis=-1) == y_test))
+
+
+def _device():
+    try:
+        from kerasmp.doctor import doctor
+
+        report = doctor()
+        dev = report.devices[0]
+        return f"{dev.kind}: {dev.name}"
+    except Exception as e:  # the demo never fails for lack of a device name
+        return f"unknown ({e})"
+
+
+def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
+             seed=0, quick=False, batch_size=BATCH_SIZE, verbose=True):
+    """Trains the demo CNN in float32 and in mixed precision and compares.
+
+    Args:
+        out: Folder for the artifacts (created if needed; files in it with
+            the demo's names are replaced).
+        policy: `"mixed_float16"` (default; with loss scaling) or
+            `"mixed_bfloat16"` (no loss scaling needed).
+        epochs: Training epochs of each run. Defaults to 12, or 2 with
+            `quick=True`.
+        seed: Seed of the weights and the batch order, the same for both
+            runs. Defaults to 0.
+        quick: A short run for smoke tests (2 epochs unless `epochs` is
+            given). Defaults to False.
+        batch_size: Training batch size. Defaults to 32.
+        verbose: Print progress bars and the table. Defaults to True.
+
+    Returns:
+        The summary dict, also written to `out/summary.json`.
+
+    Example:
+
+    ```python
+    summary = kerasmp.demo.run_demo("kerasmp-demo", epochs=12)
+    summary["accuracy_diff_pp"]   # mixed minus float32 test accuracy, points
+    summary["runs"]["mixed"]["final_loss_scale"]
+    ```
+    """
+    from kerasmp.data import load_digits
+    from kerasmp.policy import Policy
+
+    _check_args(policy, epochs, seed, quick, batch_size)
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
+        raise TypeError(f"`out` must be a folder path. Received: {out!r}")
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    if epochs is None:
+        epochs = QUICK_EPOCHS if quick else DEFAULT_EPOCHS
+    data = load_digits(seed=0)
+    (x, _), (x_test, y_test) = data
+    say = print if verbose else (lambda *a, **k: None)
+    backend = keras.backend.backend()
+    say(f"kerasmp demo: 8x8 digits ({len(x)} train / {len(x_test)} test "
+        f"images), CNN, {epochs} epochs, seed {seed}, backend {backend}")
+
+    started = time.perf_counter()
+    runs, histories = {}, []
+    say("\n[1/2] float32")
+    _, runs["float32"], history32, _ = _train(
+        "float32", keras.DTypePolicy("float32"), data, epochs, seed,
+        batch_size, out, verbose,
+    )
+    histories.append(("float32", history32))
+    say(f"\n[2/2] {policy} (kerasmp.Policy"
+        + (" + LossScaleOptimizer" if policy == "mixed_float16" else "")
+        + " + monitors)")
+    model, runs["mixed"], history_mp, monitor = _train(
+        policy, Policy(policy), data, epochs, seed, batch_size, out,
+        verbose,
+    )
+    histories.append((policy, history_mp))
+    say("")
+
+    artifacts = {}
+    notes = []
+    history_path = os.path.join(out, "history.csv")
+    _write_history(history_path, histories)
+    artifacts["history_csv"] = history_path
+    png = os.path.join(out, "loss_scale.png")
+    why_not = _plot(monitor if runs["mixed"]["loss_scaling"] else None, png,
+                    f"kerasmp demo: {policy} loss scale")
+    artifacts["loss_scale_png"] = None if why_not else png
+    if why_not:
+        notes.append(f"loss_scale.png skipped: {why_not}")
+        if os.path.exists(png):  # from an earlier run: it would mislead
+            os.remove(png)
+    artifacts["events_jsonl"] = os.path.join(out, "events.jsonl")
+    model_path = os.path.join(out, "model.keras")
+    model.save(model_path)
+    artifacts["model"] = model_path
+
+    say("exporting the mixed-precision model in half precision ...")
+    dtype = "float16" if policy == "mixed_float16" else "bfloat16"
+    exports = _export(model, out, dtype, x_test, y_test)
+    for e in exports:
+        artifacts[f"export_{e['format']}"] = e["path"]
+    summary_path = os.path.join(out, "summary.json")
+    artifacts["summary_json"] = summary_path
+
+    diff = 100.0 * (runs["mixed"]["test_accuracy"]
+                    - runs["float32"]["test_accuracy"])
+    summary = {
+        "summary_version": SUMMARY_VERSION,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"),
+        "kerasmp_version": _kerasmp_version(),
+        "keras_version": keras.__version__,
+        "backend": backend,
+        "device": _device(),
+        "command": "kerasmp demo " + " ".join(
+            [f"--policy {policy}", f"--epochs {epochs}", f"--seed {seed}"]
+            + (["--quick"] if quick else [])),
+        "dataset": {"name": "digits-8x8 (UCI, CC BY 4.0)",
+                    "train": int(len(x)), "test": int(len(x_test))},
+        "model": {"name": "digits_cnn", "params": int(model.count_params())},
+        "config": {"policy": policy, "epochs": epochs, "seed": seed,
+                   "quick": quick, "batch_size": batch_size,
+                   "learning_rate": LEARNING_RATE,
+                   "schedule": "cosine decay to 0"},
+        "runs": runs,
+        "accuracy_diff_pp": round(diff, 4),
+        "accuracy_parity": abs(diff) <= 1.0,
+        "time_ratio": round(runs["mixed"]["wall_time_s"]
+                            / runs["float32"]["wall_time_s"], 3),
+        "exports": exports,
+        "artifacts": artifacts,
+        "notes": notes,
+        "total_time_s": round(time.perf_counter() - started, 3),
+    }
+    with open(summary_path, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    if verbose:
+        print(format_summary(summary))
+    return summary
+
+
+def _kerasmp_version():
+    import kerasmp
+
+    return kerasmp.__version__
+
+
+def _fmt_scale(value):
+    if value is None:
+        return "-"
+    exponent = math.log2(value) if value > 0 else float("nan")
+    if exponent == int(exponent):
+        return f"{value:.0f} (2^{int(exponent)})"
+    return f"{value:g}"
+
+
+def format_summary(summary):
+    """The demo's result table, as text.
+
+    Args:
+        summary: The dict `run_demo` returns (or `summary.json` loaded).
+
+    Returns:
+        A multi-line string.
+    """
+    f32, mp = summary["runs"]["float32"], summary["runs"]["mixed"]
+    policy = summary["config"]["policy"]
+    rows = [
+        ("", "float32", policy, ""),
+        ("test accuracy", f"{100 * f32['test_accuracy']:.2f}%",
+         f"{100 * mp['test_accuracy']:.2f}%",
+         f"{summary['accuracy_diff_pp']:+.2f} pp"),
+        ("test loss", f"{f32['test_loss']:.4f}", f"{mp['test_loss']:.4f}", ""),
+        ("train wall time", f"{f32['wall_time_s']:.1f} s",
+         f"{mp['wall_time_s']:.1f} s", f"x{summary['time_ratio']:.2f}"),
+        ("final loss scale", "-", _fmt_scale(mp["final_loss_scale"]),
+         "" if mp["final_loss_scale"] is None
+         else f"from {_fmt_scale(mp['initial_loss_scale'])}"),
+        ("skipped steps", "-",
+         "-" if mp["skipped_steps"] is None
+         else f"{mp['skipped_steps']} of {mp['steps']}", ""),
+    ]
+    events = mp.get("events") or {"total": 0, "by_kind": {}}
+    kinds = ", ".join(f"{n} {k}" for k, n in events["by_kind"].items())
+    rows.append(("events", "-", str(events["total"]), kinds))
+    for e in summary["exports"]:
+        top1 = e["top1_agreement"]
+        rows.append((
+            f"export {e['format']} ({e['dtype']})",
+            f"size x{e['size_ratio']:.2f}",
+            f"max|diff| {float(e['max_abs_diff']):.1e}",
+            f"top-1 agree {100 * top1:.1f}%, "
+            f"test acc {100 * e['test_accuracy']:.2f}%"
+            if top1 is not None else "",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [""]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths))
+                     + "  " + r[3])
+    rule = "-" * max(len(line) for line in lines)
+    lines.insert(2, rule)
+    verdict = (
+        "within 1 point of float32" if summary["accuracy_parity"]
+        else "MORE than 1 point from float32"
+    )
+    lines.append(rule)
+    lines.append(f"mixed precision accuracy: {verdict} "
+                 f"({summary['accuracy_diff_pp']:+.2f} pp).")
+    if summary["device"].startswith("cpu"):
+        lines.append(
+            "on a CPU mixed precision is usually slower than float32 (no "
+            "float16 matrix units): the wall time shows the cost of the "
+            "casts. Speed needs a GPU; `kerasmp bench` measures it."
+        )
+    for note in summary["notes"]:
+        lines.append(f"note: {note}")
+    lines.append("artifacts:")
+    for name, path in summary["artifacts"].items():
+        if path:
+            lines.append(f"  {name:<18} {path}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser):
+    """Adds the `kerasmp demo` arguments to an argparse parser.
+
+    Args:
+        parser: An `argparse.ArgumentParser` (e.g. a sub-command parser).
+    """
+    parser.add_argument("--out", default="kerasmp-demo",
+                        help="folder for the artifacts (default: "
+                        "./kerasmp-demo)")
+    parser.add_argument("--policy", choices=POLICIES, default="mixed_float16",
+                        help="mixed policy to compare with float32")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"epochs per run (default {DEFAULT_EPOCHS}, "
+                        f"{QUICK_EPOCHS} with --quick)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of both runs (default 0)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run for smoke tests")
+    parser.add_argument("--json", action="store_true",
+                        help="print the summary as JSON instead of the table")
+    return parser
+
+
+def run(args):
+    """Runs `kerasmp demo` from parsed arguments; returns the exit code."""
+    try:
+        summary = run_demo(out=args.out, policy=args.policy,
+                           epochs=args.epochs, seed=args.seed,
+                           quick=args.quick, verbose=not args.json)
+    except (ValueError, TypeError) as e:
+        print(f"kerasmp demo: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def main(argv=None):
+    """Entry point of `python -m kerasmp.demo`; returns the exit code."""
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="kerasmp demo",
+        description="Train a small CNN on 8x8 digits in float32 and in mixed "
+        "precision, compare, and export the mixed model in half precision.",
+    ))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
