@@ -151,6 +151,22 @@ class StepTap:
         self.model.train_function = self._host_function
         self._installed = True
 
+    def prepare(self):
+        """Builds the wrapped train function now, if it is not built.
+
+        Members call it from `on_train_batch_begin`: every monitor of the fit
+        has joined by then, and the model's variables still hold their values.
+        JAX's fit empties them once the first step starts ("purge"), and
+        building a train function under a `keras.distribution` reads their
+        shardings. A rebuild in the middle of a JAX fit (fallback) first
+        writes the fit's current state back into the variables.
+        """
+        if self._keras_function is not None or not self._installed:
+            return
+        if keras.backend.backend() == "jax":
+            self.model.jax_state_sync()
+        self._function()
+
     def _function(self):
         """The wrapped Keras train function, built on first use.
 

@@ -107,6 +107,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch_start = self._next_step
         self._epoch_batches = 0
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._tap is not None:
+            self._tap.prepare()
+
     def on_train_batch_end(self, batch, logs=None):
         if self._tap is None or not logs or "loss_scale" not in logs:
             return
@@ -279,6 +283,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_begin = batch
+        if self._tap is not None:
+            self._tap.prepare()
 
     def on_train_batch_end(self, batch, logs=None):
         logs = logs or {}
@@ -482,6 +488,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         for t in targets:
             t.dtype_policy = "float32"
         self._tap.rebuild(dirty=True)
+        self._tap.prepare()
         self.fallbacks.append(path)
         event["fallback_layers"] = [path]
         # A new start for the layer: forget the run of skips.

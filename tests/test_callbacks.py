@@ -682,3 +682,49 @@ def test_plot_loss_scale_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"kerasmp\[plot\]"):
         plot_loss_scale({"loss_scale": [1.0]}, tmp_path / "x.png")
+
+
+_DATA_PARALLEL_SCRIPT = """
+import json
+import keras
+import numpy as np
+import kerasmp
+from kerasmp.callbacks import LossScaleMonitor, NonFiniteMonitor
+
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+kerasmp.set_global_policy("mixed_float16")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 8)).astype("float32")
+y = (x.sum(axis=1) > 0).astype("int32")
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "relu"),
+                          keras.layers.Dense(2, activation="softmax")])
+model.compile(kerasmp.LossScaleOptimizer(keras.optimizers.Adam(),
+                                         initial_scale=2.0**10),
+              "sparse_categorical_crossentropy")
+history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[
+    LossScaleMonitor(), NonFiniteMonitor(locate=False)])
+print(json.dumps({"devices": len(keras.distribution.list_devices()),
+                  "loss_scale": history.history["loss_scale"],
+                  "scale": model.optimizer.loss_scale}))
+"""
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax",
+                    reason="keras.distribution.DataParallel is JAX's")
+def test_monitors_under_jax_data_parallel(tmp_path):
+    # The wrapped train step must be built before JAX's fit empties the
+    # variables: under a distribution, building reads their shardings.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KERAS_BACKEND": "jax",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run([sys.executable, "-c", _DATA_PARALLEL_SCRIPT],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 2
+    assert result["loss_scale"] == [1024.0, 1024.0]
+    assert result["scale"] == 1024.0
