@@ -46,6 +46,8 @@ import time
 import keras
 import numpy as np
 
+from kerasmp.debug import record_calls
+
 MODELS = ("mlp", "cnn", "transformer")
 POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16")
 DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -282,9 +284,8 @@ def activation_bytes(model, x):
         and not isinstance(layer, keras.layers.InputLayer)
     ]
     total = [0]
-    wrapped = []
 
-    def add(outputs):
+    def add(layer, outputs):
         for t in keras.tree.flatten(outputs):
             dtype = getattr(t, "dtype", None)
             if dtype is None:
@@ -294,47 +295,32 @@ def activation_bytes(model, x):
                 total[0] += int(np.prod(t.shape)) * np.dtype(
                     _numpy_dtype(dtype)).itemsize
 
-    for layer in leaves:
-        had_own = "call" in layer.__dict__
-        original = layer.call
-
-        def call(*args, _original=original, **kwargs):
-            outputs = _original(*args, **kwargs)
-            add(outputs)
-            return outputs
-
-        object.__setattr__(layer, "call", call)
-        wrapped.append((layer, had_own, original))
     state = []
     try:
-        if keras.backend.backend() == "jax":
-            # Shapes and dtypes only: trace, don't compute (op-by-op eager
-            # JAX compiles every op).
-            import jax
+        with record_calls(leaves, add):
+            if keras.backend.backend() == "jax":
+                # Shapes and dtypes only: trace, don't compute (op-by-op
+                # eager JAX compiles every op).
+                import jax
 
-            def forward(trainable, non_trainable, x):
-                return model.stateless_call(trainable, non_trainable, x,
-                                            training=True)[0]
+                def forward(trainable, non_trainable, x):
+                    return model.stateless_call(
+                        trainable, non_trainable, x, training=True)[0]
 
-            jax.eval_shape(
-                forward,
-                [v.value for v in model.trainable_variables],
-                [v.value for v in model.non_trainable_variables],
-                x,
-            )
-        else:
-            state = [(v, keras.ops.convert_to_numpy(v.value))
-                     for v in model.non_trainable_variables]
-            model(x, training=True)
-    finally:
-        for layer, had_own, original in wrapped:
-            if had_own:
-                object.__setattr__(layer, "call", original)
+                jax.eval_shape(
+                    forward,
+                    [v.value for v in model.trainable_variables],
+                    [v.value for v in model.non_trainable_variables],
+                    x,
+                )
             else:
-                object.__delattr__(layer, "call")
+                state = [(v, keras.ops.convert_to_numpy(v.value))
+                         for v in model.non_trainable_variables]
+                model(x, training=True)
+    finally:
         for v, value in state:
             v.assign(value)
-    add(keras.ops.convert_to_tensor(x))
+    add(None, keras.ops.convert_to_tensor(x))
     return total[0]
 
 

@@ -169,10 +169,18 @@ def layer_paths(model):
 
 
 @contextlib.contextmanager
-def _record_calls(model, record):
-    """Calls `record(layer, output)` after each sublayer's `call` returns."""
+def record_calls(layers, record):
+    """Calls `record(layer, outputs)` after each of `layers`' `call` returns.
+
+    Each layer's `call` is wrapped for the duration of the `with` block and
+    restored afterwards, whatever happens inside it.
+
+    Args:
+        layers: The layers to watch (e.g. `layer_paths(model)`'s layers).
+        record: A function of `(layer, outputs)`.
+    """
     wrapped = []
-    for path, layer in layer_paths(model).values():
+    for layer in layers:
         if isinstance(layer, keras.layers.InputLayer):
             continue
         had_own = "call" in layer.__dict__
@@ -413,7 +421,8 @@ def find_nonfinite(
         list(model.non_trainable_variables) + list(model.metrics_variables)
     )
     try:
-        with _record_calls(model, record):
+        layers = [layer for _, layer in layer_paths(model).values()]
+        with record_calls(layers, record):
             model(x, **_call_kwargs(model, training))
         _restore(state)
         loss_value = grads = None
