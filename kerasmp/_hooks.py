@@ -27,8 +27,11 @@ does not use kerasmp policies sees stock Keras.
    config and then, for backward compatibility, passes only the policy's
    *name* to the constructor, which would turn a saved `kerasmp.Policy` into
    a plain `DTypePolicy` without its float32 rules. For kerasmp's policy
-   classes, kerasmp passes the policy object itself, so a model saved under
-   a kerasmp policy reloads with the same per-layer dtypes and reasons.
+   classes, kerasmp passes the policy object itself, and makes the layer's
+   kerasmp policy global while its constructor runs (as it was when the
+   layer was first built), so sublayers that a custom layer creates in
+   `__init__` with `dtype=None` get it too. A model saved under a kerasmp
+   policy reloads with the same per-layer dtypes and reasons.
 """
 
 import functools
@@ -125,11 +128,21 @@ _original_from_config = _operation.Operation.from_config.__func__
 @functools.wraps(_original_from_config)
 def _from_config(cls, config):
     dtype = config.get("dtype") if isinstance(config, dict) else None
-    if isinstance(dtype, dict):
-        policy = _dtype_policies.deserialize(dtype)
-        if isinstance(policy, _saved_classes):
-            config = {**config, "dtype": policy}
-    return _original_from_config(cls, config)
+    if not isinstance(dtype, dict):
+        return _original_from_config(cls, config)
+    policy = _dtype_policies.deserialize(dtype)
+    if not isinstance(policy, _saved_classes):
+        return _original_from_config(cls, config)
+    # Build the layer the way it was built before saving: with its kerasmp
+    # policy global, so that sublayers its __init__ creates with dtype=None
+    # get that policy too, whatever the global policy of the loading process.
+    governing = policy if isinstance(policy, _policy_cls) else policy.policy
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(governing)
+    try:
+        return _original_from_config(cls, {**config, "dtype": policy})
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def install(policy_cls, saved_classes):

@@ -73,9 +73,31 @@ class TransformerBlock(keras.layers.Layer):
         return {**super().get_config(), "dim": self.dim, "heads": self.heads}
 
 
-def _block_model():
+@keras.saving.register_keras_serializable(package="kerasmp_tests")
+class PlainBlock(keras.layers.Layer):
+    """Subclassed layer whose sublayers take the global policy (dtype=None),
+    as most user code writes them."""
+
+    def __init__(self, dim=8, **kwargs):
+        super().__init__(**kwargs)
+        self.dim = dim
+        self.attention = keras.layers.MultiHeadAttention(2, dim // 2,
+                                                         dropout=0.1)
+        self.norm = keras.layers.LayerNormalization()
+        self.ffn = keras.layers.Dense(dim, activation="gelu")
+
+    def call(self, x):
+        h = self.norm(x)
+        x = x + self.attention(h, h)
+        return x + self.ffn(x)
+
+    def get_config(self):
+        return {**super().get_config(), "dim": self.dim}
+
+
+def _block_model(block_cls=TransformerBlock):
     inputs = keras.Input((5, 8))
-    x = TransformerBlock(name="block")(inputs)
+    x = block_cls(name="block")(inputs)
     x = keras.layers.GlobalAveragePooling1D()(x)
     x = keras.layers.Dense(3, name="head")(x)
     outputs = keras.layers.Activation("softmax", name="probs")(x)
@@ -225,9 +247,13 @@ print(json.dumps({{"dtypes": dtypes, "preds": preds.tolist()}}))
 
 
 @pytest.mark.slow
-def test_save_and_load_in_fresh_process(tmp_path):
+@pytest.mark.parametrize("block_cls", [TransformerBlock, PlainBlock])
+def test_save_and_load_in_fresh_process(tmp_path, block_cls):
+    # The loading process's global policy is float32: the saved policies,
+    # not the global one, must decide every layer's dtype, also for the
+    # sublayers PlainBlock creates with dtype=None.
     kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
-    model = _block_model()
+    model = _block_model(block_cls)
     x = np.random.default_rng(1).normal(size=(4, 5, 8)).astype("float32")
     preds = model.predict(x, verbose=0)
     dtypes = {l.path or l.name: l.compute_dtype
