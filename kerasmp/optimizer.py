@@ -516,17 +516,20 @@ def _is_indexed_slices(g):
     return type(g).__name__ == "IndexedSlices"
 
 
-def _check_number(name, value, *, integer=False):
+def _check(name, value, in_range, allowed, *, integer=False):
+    """Raises a ValueError naming `name` unless `value` is a number (an
+    integer if `integer`), not NaN, for which `in_range(value)` holds.
+    `allowed` describes the allowed values for the message."""
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(
-            f"`{name}` must be {'an integer' if integer else 'a number'}; "
-            f"received {name}={value!r}."
-        )
-    if not integer and math.isnan(value):
-        raise ValueError(
-            f"`{name}` must not be NaN; received {name}={value!r}."
-        )
+        allowed = f"{'an integer' if integer else 'a number'}, {allowed}"
+    elif not integer and math.isnan(value):
+        allowed = f"not NaN, {allowed}"
+    elif in_range(value):
+        return
+    raise ValueError(
+        f"`{name}` must be {allowed}; received {name}={value!r}."
+    )
 
 
 def _validate(
@@ -551,48 +554,22 @@ def _validate(
             "`inner_optimizer` must be a `keras.optimizers.Optimizer` "
             f"instance; received {inner_optimizer!r}."
         )
-    _check_number("growth_factor", growth_factor)
-    if not 1 < growth_factor < math.inf:
-        raise ValueError(
-            "`growth_factor` must be a finite number > 1; "
-            f"received growth_factor={growth_factor!r}."
-        )
-    _check_number("backoff_factor", backoff_factor)
-    if not 0 < backoff_factor < 1:
-        raise ValueError(
-            "`backoff_factor` must be in the open interval (0, 1); "
-            f"received backoff_factor={backoff_factor!r}."
-        )
-    _check_number("dynamic_growth_steps", dynamic_growth_steps, integer=True)
-    if dynamic_growth_steps < 1:
-        raise ValueError(
-            "`dynamic_growth_steps` must be an integer >= 1; "
-            f"received dynamic_growth_steps={dynamic_growth_steps!r}."
-        )
-    _check_number("hysteresis", hysteresis, integer=True)
-    if hysteresis < 1:
-        raise ValueError(
-            "`hysteresis` must be an integer >= 1; "
-            f"received hysteresis={hysteresis!r}."
-        )
-    _check_number("min_scale", min_scale)
-    if not 0 < min_scale < math.inf:
-        raise ValueError(
-            "`min_scale` must be a finite number > 0; "
-            f"received min_scale={min_scale!r}."
-        )
+    _check("growth_factor", growth_factor, lambda v: 1 < v < math.inf,
+           "a finite number > 1")
+    _check("backoff_factor", backoff_factor, lambda v: 0 < v < 1,
+           "in the open interval (0, 1)")
+    _check("dynamic_growth_steps", dynamic_growth_steps, lambda v: v >= 1,
+           "an integer >= 1", integer=True)
+    _check("hysteresis", hysteresis, lambda v: v >= 1,
+           "an integer >= 1", integer=True)
+    _check("min_scale", min_scale, lambda v: 0 < v < math.inf,
+           "a finite number > 0")
     if max_scale is not None:
-        _check_number("max_scale", max_scale)
-        if not min_scale <= max_scale < math.inf:
-            raise ValueError(
-                "`max_scale` must be None or a finite number >= min_scale "
-                f"({min_scale!r}); received max_scale={max_scale!r}."
-            )
-    _check_number("initial_scale", initial_scale)
+        _check("max_scale", max_scale,
+               lambda v: min_scale <= v < math.inf,
+               f"None or a finite number >= min_scale ({min_scale!r})")
     upper = math.inf if max_scale is None else max_scale
-    if not (min_scale <= initial_scale <= upper and initial_scale < math.inf):
-        raise ValueError(
-            "`initial_scale` must be a finite number in [min_scale, max_scale]"
-            f" = [{min_scale!r}, {max_scale!r}]; "
-            f"received initial_scale={initial_scale!r}."
-        )
+    _check("initial_scale", initial_scale,
+           lambda v: min_scale <= v <= upper and v < math.inf,
+           "a finite number in [min_scale, max_scale] = "
+           f"[{min_scale!r}, {max_scale!r}]")
