@@ -18,7 +18,7 @@ from kerasmp._half import is_container
 from kerasmp._half import is_float
 from kerasmp._half import is_graph_model
 from kerasmp._half import numpy_value
-from kerasmp._half import walk
+from kerasmp._layers import walk
 
 ONNX_PACKAGES = ("tf2onnx", "onnxconverter_common", "onnxruntime")
 _PREDICT_BATCH = 128

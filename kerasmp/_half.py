@@ -19,30 +19,10 @@ import keras
 import numpy as np
 
 from kerasmp import policy as _policy
+from kerasmp._layers import walk
 
 DTYPES = ("float16", "bfloat16")
 FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
-
-
-def walk(layer, prefix=""):
-    """Yields `(path, sublayer)` for every sublayer of `layer`, depth first.
-
-    The path joins layer names from the top (`"mha/softmax"`); unlike
-    `Layer.path` it also exists for layers that were never built (a Softmax
-    has no `build`, so Keras never gives it a path).
-    """
-    seen = set()
-
-    def rec(parent, pre):
-        for child in getattr(parent, "_layers", ()):
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            path = f"{pre}/{child.name}" if pre else child.name
-            yield path, child
-            yield from rec(child, path)
-
-    yield from rec(layer, prefix)
 
 
 def own_variables(layer):
@@ -125,28 +105,9 @@ def keep_rules(model, keep_float32):
             "subclasses and/or regular expressions matched against layer "
             f"names. Received: {keep_float32!r}"
         ) from None
-    rules = []
-    for entry in entries:
-        if isinstance(entry, type) and issubclass(entry, keras.layers.Layer):
-            rules.append(entry)
-        elif isinstance(entry, re.Pattern):
-            rules.append(entry)
-        elif isinstance(entry, str):
-            try:
-                rules.append(re.compile(entry))
-            except re.error as e:
-                raise ValueError(
-                    f"Invalid `keep_float32` entry {entry!r}: not a valid "
-                    f"regular expression ({e})."
-                ) from None
-        else:
-            raise TypeError(
-                "Invalid `keep_float32` entry: expected a keras.layers.Layer "
-                "subclass or a regular expression (str) matched against the "
-                f"layer name. Received: {entry!r} (of type "
-                f"{type(entry).__name__})"
-            )
-    return tuple(rules)
+    return tuple(
+        _policy.parse_rule(entry, argname="keep_float32") for entry in entries
+    )
 
 
 # --------------------------------------------------------------------------

@@ -51,11 +51,8 @@ def scale_variable(optimizer):
 
 def skipped_variable(optimizer):
     """kerasmp's cumulative skipped-step counter variable, or None."""
-    for name in ("total_skipped_steps", "skipped_total"):
-        v = getattr(optimizer, name, None)
-        if isinstance(v, keras.Variable):
-            return v
-    return None
+    v = getattr(optimizer, "total_skipped_steps", None)
+    return v if isinstance(v, keras.Variable) else None
 
 
 def has_loss_scale(optimizer):

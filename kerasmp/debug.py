@@ -15,6 +15,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from kerasmp._layers import walk
+
 _FLOAT_MAX = {
     "float16": 65504.0,
     "bfloat16": 3.3895313892515355e38,
@@ -149,23 +151,13 @@ def _fmt(value):
 
 
 def layer_paths(model):
-    """Maps `id(layer)` to the layer's path inside `model` ("block/dense").
+    """Maps `id(layer)` to `(path, layer)` for every sublayer of `model`.
 
     Paths are made of layer names, joined by "/", without the model's own
-    name. A layer reachable by several paths gets the first one found.
+    name (`kerasmp._layers.walk`). A layer reachable by several paths gets
+    the first one found.
     """
-    paths = {}
-
-    def visit(layer, prefix):
-        for child in layer._flatten_layers(include_self=False, recursive=False):
-            if id(child) in paths or child is model:
-                continue
-            path = f"{prefix}/{child.name}" if prefix else child.name
-            paths[id(child)] = (path, child)
-            visit(child, path)
-
-    visit(model, "")
-    return paths
+    return {id(layer): (path, layer) for path, layer in walk(model)}
 
 
 @contextlib.contextmanager

@@ -53,8 +53,18 @@ zeros without any NaN to warn you.
 """
 
 
-def _validate_rule(rule):
-    """Returns `rule` as a layer class or a compiled regex, or raises."""
+def parse_rule(rule, argname="float32_layers"):
+    """Returns a float32 rule as a layer class or a compiled regex.
+
+    Args:
+        rule: A `keras.layers.Layer` subclass, a compiled regex, or a string
+            (a regular expression matched against the whole layer name).
+        argname: The argument the rule came from, for error messages.
+
+    Raises:
+        ValueError: `rule` is a string that is not a valid regex.
+        TypeError: `rule` is anything else.
+    """
     if isinstance(rule, type) and issubclass(rule, keras.layers.Layer):
         return rule
     if isinstance(rule, re.Pattern):
@@ -64,13 +74,13 @@ def _validate_rule(rule):
             return re.compile(rule)
         except re.error as e:
             raise ValueError(
-                "Invalid `float32_layers` entry: "
+                f"Invalid `{argname}` entry: "
                 f"{rule!r} is not a valid regular expression ({e}). Allowed "
                 "entries: keras.layers.Layer subclasses, or regular "
                 "expressions matched against the layer name."
             ) from None
     raise TypeError(
-        "Invalid `float32_layers` entry: expected a keras.layers.Layer "
+        f"Invalid `{argname}` entry: expected a keras.layers.Layer "
         "subclass or a regular expression (str) matched against the layer "
         f"name. Received: {rule!r} (of type {type(rule).__name__})"
     )
@@ -199,7 +209,7 @@ class Policy(keras.DTypePolicy):
                 f"regular expressions. Received: {float32_layers!r}"
             ) from None
         super().__init__(name)
-        self._rules = tuple(_validate_rule(r) for r in rules)
+        self._rules = tuple(parse_rule(r) for r in rules)
         self._overrides = {}  # rule description -> Float32Override
 
     @property

@@ -22,7 +22,7 @@ from keras import layers
 from kerasmp import export as kx
 from kerasmp._export_formats import size as artifact_size
 from kerasmp._half import own_variables
-from kerasmp._half import walk
+from kerasmp._layers import walk
 from kerasmp.policy import Policy
 from kerasmp.policy import policy_scope
 
@@ -197,6 +197,9 @@ def test_float16_inputs_and_bfloat16(trained):
 
 
 def _huge_variance_model():
+    # Seeded: with an unseeded Dense kernel, a sample whose channel-0
+    # pre-activation happens to be near 0 made the test flaky.
+    keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     x = layers.Dense(4, name="dense")(inputs)
     outputs = layers.BatchNormalization(name="bn")(x)
