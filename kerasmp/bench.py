@@ -33,7 +33,6 @@ Policies: `float32`, `float32_highest` (float32 with TF32 matmuls disabled:
 `kerasmp.optimizer.LossScaleOptimizer`) and `mixed_bfloat16`.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -752,16 +751,3 @@ def run(args):
         print(f"\nwrote {args.json}")
     return 0
 
-
-def main(argv=None):
-    """Entry point of `python -m kerasmp.bench`; returns the exit code."""
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="kerasmp bench",
-        description="Steps/s and memory of float32 vs mixed precision for "
-        "an MLP, a CNN and a transformer encoder on this device.",
-    ))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

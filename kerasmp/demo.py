@@ -21,7 +21,6 @@ Artifacts, under `--out` (default `./kerasmp-demo`):
 - `summary.json`: everything the table shows, and more.
 """
 
-import argparse
 import csv
 import datetime
 import json
@@ -590,16 +589,3 @@ def run(args):
         print(json.dumps(summary, indent=2))
     return 0
 
-
-def main(argv=None):
-    """Entry point of `python -m kerasmp.demo`; returns the exit code."""
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="kerasmp demo",
-        description="Train a small CNN on 8x8 digits in float32 and in mixed "
-        "precision, compare, and export the mixed model in half precision.",
-    ))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
