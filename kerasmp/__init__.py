@@ -18,8 +18,11 @@ from kerasmp.policy import Float32Override
 from kerasmp.policy import Policy
 from kerasmp.policy import float32_rule
 from kerasmp.policy import global_policy
+from kerasmp.policy import install
 from kerasmp.policy import policy_scope
 from kerasmp.policy import set_global_policy
+from kerasmp.policy import stored_policy
+from kerasmp.policy import uninstall
 from kerasmp.report import DTypeReport
 from kerasmp.report import dtype_report
 
@@ -40,7 +43,10 @@ __all__ = [
     "dtype_report",
     "float32_rule",
     "global_policy",
+    "install",
     "plot_loss_scale",
     "policy_scope",
     "set_global_policy",
+    "stored_policy",
+    "uninstall",
 ]

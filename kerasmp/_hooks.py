@@ -1,8 +1,9 @@
-"""The three places where kerasmp changes how Keras behaves.
+"""The places where kerasmp changes how Keras behaves.
 
-All are installed once, when `kerasmp.policy` is imported, and all do
-nothing for layers and models that no `kerasmp.Policy` governs, so code that
-does not use kerasmp policies sees stock Keras.
+All are installed by `install()` (on the first import of `kerasmp.policy`)
+and removed by `uninstall()`, and all do nothing for layers and models that
+no `kerasmp.Policy` governs, so code that does not use kerasmp policies sees
+stock Keras.
 
 1. Policy resolution. `keras.layers.Layer._dtype_policy` becomes a data
    descriptor. Keras keeps writing the layer's policy to it as before (it is
@@ -14,7 +15,17 @@ does not use kerasmp policies sees stock Keras.
    `Softmax` inside `MultiHeadAttention`), and attributes set after
    `Layer.__init__` (an `Activation` layer's activation).
 
-2. Loss scaling at compile time. Stock `Model.compile` wraps the optimizer in
+2. Outputs that compose. A layer that a kerasmp rule keeps in float32
+   computes in float32, but when it is called inside another layer or model
+   its floating outputs are cast back to the governing policy's compute
+   dtype (as stock `BatchNormalization` and `LayerNormalization` do), so a
+   post-LN residual `x + norm(x)` adds two float16 tensors and activations
+   stay half precision between layers. The outputs of the outermost call
+   (the model's predictions, or a layer called on its own) are the float32
+   values the layer computed, so the probabilities that reach the loss are
+   float32.
+
+3. Loss scaling at compile time. Stock `Model.compile` wraps the optimizer in
    a loss-scale optimizer only when the model's policy is *named*
    `"mixed_float16"`. When a model has layers governed by a `kerasmp.Policy`,
    kerasmp decides instead: if any trainable layer computes in float16, a
@@ -23,28 +34,37 @@ does not use kerasmp policies sees stock Keras.
    bfloat16 and float32 models get no loss scaling. `compile(...,
    auto_scale_loss=False)` turns it off, as in stock Keras.
 
-3. Loading. Stock `Operation.from_config` deserializes a layer's `dtype`
-   config and then, for backward compatibility, passes only the policy's
-   *name* to the constructor, which would turn a saved `kerasmp.Policy` into
-   a plain `DTypePolicy` without its float32 rules. For kerasmp's policy
-   classes, kerasmp passes the policy object itself, and makes the layer's
-   kerasmp policy global while its constructor runs (as it was when the
-   layer was first built), so sublayers that a custom layer creates in
-   `__init__` with `dtype=None` get it too. A model saved under a kerasmp
-   policy reloads with the same per-layer dtypes and reasons.
+4. Saving and loading. A kerasmp policy is saved as the stock
+   `keras.DTypePolicy` a plain Keras can load (the policy's name, or
+   `"float32"` for an overridden layer) plus a `"kerasmp"` entry that stock
+   Keras ignores, so a `.keras` file loads without kerasmp with the same
+   per-layer dtypes. With kerasmp, `dtype_policies.deserialize` rebuilds the
+   kerasmp policy from that entry (accepting only kerasmp's own classes), and
+   `Operation.from_config` passes the policy *object* to the constructor
+   (stock Keras passes only its name) with the layer's kerasmp policy made
+   global while the constructor runs, so sublayers that a custom layer
+   creates in `__init__` with `dtype=None` get it too.
 """
 
 import functools
 import inspect
+import threading
 
 import keras
+from keras.src import backend as _backend
 from keras.src import dtype_policies as _dtype_policies
 from keras.src.ops import operation as _operation
-from keras.src.trainers import trainer as _trainer
+from keras.src.trainers import trainer as _trainer_module
+
+# Keras 3.16 renames `Trainer` to `BaseTrainer`.
+_Trainer = getattr(_trainer_module, "Trainer", None) or getattr(
+    _trainer_module, "BaseTrainer"
+)
 
 _installed = False
 _policy_cls = None  # kerasmp.Policy
-_saved_classes = ()  # kerasmp policy classes that loading must keep
+_saved_classes = {}  # name -> kerasmp policy class that files may name
+_originals = {}  # what install() replaced, for uninstall()
 
 
 class _ResolvedDTypePolicy:
@@ -70,9 +90,19 @@ def stored_policy(layer):
     return layer.__dict__.get("_dtype_policy")
 
 
+def sublayers(layer):
+    """Every layer nested in `layer` (not itself), as Keras tracks them."""
+    return list(layer._flatten_layers(include_self=False))
+
+
+def has_trainable_variables(layer):
+    """Whether `layer` itself (not its sublayers) owns trainable variables."""
+    return bool(layer._trainable_variables)
+
+
 def _governed_layers(model):
     """Layers of `model` (itself included) whose policy is a kerasmp one."""
-    layers = [model] + list(model._flatten_layers(include_self=False))
+    layers = [model] + sublayers(model)
     return [l for l in layers if isinstance(stored_policy(l), _policy_cls)]
 
 
@@ -88,22 +118,88 @@ def needs_loss_scaling(model):
         if layer.compute_dtype != "float16" or not layer.trainable:
             continue
         if layer.built:
-            if layer._trainable_variables:
+            if has_trainable_variables(layer):
                 return True
-        elif not list(layer._flatten_layers(include_self=False)):
+        elif not sublayers(layer):
             return True
     return False
 
 
-_original_compile = _trainer.Trainer.compile
-_compile_signature = inspect.signature(_original_compile)
+# --- 2. Outputs that compose -------------------------------------------------
+
+_calls = threading.local()  # depth of nested Layer.__call__, float32 outputs
 
 
-@functools.wraps(_original_compile)
+def _float32_output_target(layer):
+    """The dtype an overridden layer's outputs are cast to, or None."""
+    stored = layer.__dict__.get("_dtype_policy")
+    if not isinstance(stored, _policy_cls):
+        return None
+    if stored.policy_for(layer) is stored:
+        return None
+    return stored.compute_dtype
+
+
+def _is_castable(x, target):
+    if x is None or isinstance(x, keras.KerasTensor):
+        return False
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not _backend.is_tensor(x):
+        return False
+    dtype = _backend.standardize_dtype(dtype)
+    return dtype in ("float32", "float64") and dtype != target
+
+
+def _cast_down(outputs, target, originals):
+    def cast(x):
+        if not _is_castable(x, target):
+            return x
+        y = keras.ops.cast(x, target)
+        mask = _backend.get_keras_mask(x)
+        if mask is not None:
+            _backend.set_keras_mask(y, mask)
+        originals[id(y)] = (y, x)
+        return y
+
+    return keras.tree.map_structure(cast, outputs)
+
+
+def _restore_float32(outputs, originals):
+    def restore(y):
+        entry = originals.get(id(y))
+        return entry[1] if entry is not None and entry[0] is y else y
+
+    return keras.tree.map_structure(restore, outputs)
+
+
+def _layer_call(self, *args, **kwargs):
+    depth = getattr(_calls, "depth", 0)
+    if depth == 0:
+        _calls.originals = {}
+    _calls.depth = depth + 1
+    try:
+        outputs = _originals["__call__"](self, *args, **kwargs)
+    finally:
+        _calls.depth = depth
+    originals = _calls.originals
+    if depth > 0:
+        target = _float32_output_target(self)
+        if target is not None:
+            outputs = _cast_down(outputs, target, originals)
+    elif originals:
+        outputs = _restore_float32(outputs, originals)
+        _calls.originals = {}
+    return outputs
+
+
+# --- 3. Loss scaling at compile time ----------------------------------------
+
+
 def _compile(self, *args, **kwargs):
+    original = _originals["compile"]
     if not _governed_layers(self):
-        return _original_compile(self, *args, **kwargs)
-    bound = _compile_signature.bind(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
     if arguments["auto_scale_loss"] and needs_loss_scaling(self):
@@ -119,20 +215,61 @@ def _compile(self, *args, **kwargs):
         arguments["optimizer"] = optimizer
     # kerasmp has decided; keep stock Keras's name-based rule out of it.
     arguments["auto_scale_loss"] = False
-    return _original_compile(*bound.args, **bound.kwargs)
+    return original(*bound.args, **bound.kwargs)
 
 
-_original_from_config = _operation.Operation.from_config.__func__
+# --- 4. Saving and loading --------------------------------------------------
+
+_KERASMP_KEY = "kerasmp"
 
 
-@functools.wraps(_original_from_config)
+def _serialize(policy):
+    """`dtype_policies.serialize` that stock Keras can read back."""
+    if not isinstance(policy, tuple(_saved_classes.values())):
+        return _originals["serialize"](policy)
+    config = _originals["serialize"](keras.DTypePolicy(policy.name))
+    config[_KERASMP_KEY] = {
+        "class_name": type(policy).__name__,
+        "config": policy.get_config(),
+    }
+    return config
+
+
+def policy_from_saved(entry):
+    """Rebuilds a kerasmp policy from the `"kerasmp"` entry of a file.
+
+    Only kerasmp's own policy classes are accepted: a file cannot make this
+    function import a module or build any other object.
+
+    Raises:
+        ValueError: The entry names anything else.
+    """
+    name = entry.get("class_name") if isinstance(entry, dict) else None
+    cls = _saved_classes.get(name)
+    if cls is None or not isinstance(entry.get("config"), dict):
+        raise ValueError(
+            "Invalid kerasmp dtype policy in the saved file: expected "
+            f"{sorted(_saved_classes)} with a config dict. Received: "
+            f"{entry!r:.200}"
+        )
+    return cls.from_config(entry["config"])
+
+
+def _deserialize(config, custom_objects=None):
+    """`dtype_policies.deserialize` that restores kerasmp policies."""
+    if isinstance(config, dict) and _KERASMP_KEY in config:
+        return policy_from_saved(config[_KERASMP_KEY])
+    return _originals["deserialize"](config, custom_objects=custom_objects)
+
+
 def _from_config(cls, config):
+    original = _originals["from_config"]
     dtype = config.get("dtype") if isinstance(config, dict) else None
     if not isinstance(dtype, dict):
-        return _original_from_config(cls, config)
-    policy = _dtype_policies.deserialize(dtype)
-    if not isinstance(policy, _saved_classes):
-        return _original_from_config(cls, config)
+        return original(cls, config)
+    policy = _deserialize(dtype)
+    if not isinstance(policy, tuple(_saved_classes.values())):
+        return original(cls, config)
     # Build the layer the way it was built before saving: with its kerasmp
     # policy global, so that sublayers its __init__ creates with dtype=None
     # get that policy too, whatever the global policy of the loading process.
@@ -140,7 +277,7 @@ def _from_config(cls, config):
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(governing)
     try:
-        return _original_from_config(cls, {**config, "dtype": policy})
+        return original(cls, {**config, "dtype": policy})
     finally:
         keras.config.set_dtype_policy(previous)
 
@@ -150,15 +287,52 @@ def install(policy_cls, saved_classes):
 
     Args:
         policy_cls: `kerasmp.Policy`, the class that is resolved per layer.
-        saved_classes: The kerasmp policy classes that loading passes to
-            layer constructors as objects rather than names.
+        saved_classes: The kerasmp policy classes that are saved in the
+            portable format and that loading may build.
     """
     global _installed, _policy_cls, _saved_classes
     _policy_cls = policy_cls
-    _saved_classes = tuple(saved_classes)
+    _saved_classes = {c.__name__: c for c in saved_classes}
     if _installed:
         return
+    _originals.update(
+        __call__=keras.layers.Layer.__call__,
+        compile=_Trainer.compile,
+        from_config=_operation.Operation.from_config.__func__,
+        serialize=_dtype_policies.serialize,
+        deserialize=_dtype_policies.deserialize,
+    )
     keras.layers.Layer._dtype_policy = _ResolvedDTypePolicy()
-    _trainer.Trainer.compile = _compile
-    _operation.Operation.from_config = classmethod(_from_config)
+    keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
+        _layer_call
+    )
+    _Trainer.compile = functools.wraps(_originals["compile"])(_compile)
+    _operation.Operation.from_config = classmethod(
+        functools.wraps(_originals["from_config"])(_from_config)
+    )
+    _dtype_policies.serialize = _serialize
+    _dtype_policies.deserialize = _deserialize
     _installed = True
+
+
+def uninstall():
+    """Removes every hook `install()` put in place (idempotent).
+
+    Layers keep the policies stored on them; those built under a
+    `kerasmp.Policy` then compute in the policy's dtype without overrides.
+    """
+    global _installed
+    if not _installed:
+        return
+    del keras.layers.Layer._dtype_policy
+    keras.layers.Layer.__call__ = _originals["__call__"]
+    _Trainer.compile = _originals["compile"]
+    _operation.Operation.from_config = classmethod(_originals["from_config"])
+    _dtype_policies.serialize = _originals["serialize"]
+    _dtype_policies.deserialize = _originals["deserialize"]
+    _installed = False
+
+
+def is_installed():
+    """Whether the hooks are in place."""
+    return _installed

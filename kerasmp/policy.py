@@ -16,12 +16,13 @@ explicit `dtype=` given by the user, is returned untouched and so wins.
 """
 
 import contextlib
-import importlib
 import re
+import sys
 
 import keras
 
 from kerasmp import _hooks
+from kerasmp._namematch import NameMatcher
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
                 "float32", "float64")
@@ -67,17 +68,18 @@ def parse_rule(rule, argname="float32_layers"):
     """
     if isinstance(rule, type) and issubclass(rule, keras.layers.Layer):
         return rule
-    if isinstance(rule, re.Pattern):
-        return rule
-    if isinstance(rule, str):
+    if isinstance(rule, (str, re.Pattern)):
+        pattern = rule.pattern if isinstance(rule, re.Pattern) else rule
         try:
-            return re.compile(rule)
-        except re.error as e:
+            NameMatcher(pattern)
+            return rule if isinstance(rule, re.Pattern) else re.compile(rule)
+        except (ValueError, re.error) as e:
             raise ValueError(
-                f"Invalid `{argname}` entry: "
-                f"{rule!r} is not a valid regular expression ({e}). Allowed "
-                "entries: keras.layers.Layer subclasses, or regular "
-                "expressions matched against the layer name."
+                f"Invalid `{argname}` entry: {pattern!r} is not a supported "
+                f"regular expression ({e}). Allowed entries: "
+                "keras.layers.Layer subclasses, or regular expressions "
+                "(literals, classes, groups, |, * + ? {m,n}, ^ $) matched "
+                "against the whole layer name."
             ) from None
     raise TypeError(
         f"Invalid `{argname}` entry: expected a keras.layers.Layer "
@@ -99,20 +101,29 @@ def _class_to_config(cls):
 
 
 def _class_from_config(config):
+    """Finds a saved rule's layer class without importing anything.
+
+    A file names the class; kerasmp looks it up in Keras's registry or in a
+    module that is already imported, so loading a file never imports (and
+    runs) a module it names.
+    """
+    if not isinstance(config, dict):
+        raise ValueError(f"Invalid `float32_layers` entry: {config!r:.200}")
+    name = config.get("registered_name") or config.get("class_name")
     if "registered_name" in config:
         cls = keras.saving.get_registered_object(config["registered_name"])
-        if cls is None:
-            raise ValueError(
-                f"Unknown layer class {config['registered_name']!r} in "
-                "`float32_layers`: import the module that registers it "
-                "before loading."
-            )
-        return cls
-    module = importlib.import_module(config["module"])
-    obj = module
-    for part in config["class_name"].split("."):
-        obj = getattr(obj, part)
-    return obj
+    else:
+        obj = sys.modules.get(str(config.get("module")))
+        for part in str(config.get("class_name", "")).split("."):
+            obj = getattr(obj, part, None)
+        cls = obj
+    if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+        raise ValueError(
+            f"Unknown layer class {name!r} in `float32_layers`: kerasmp "
+            "does not import modules named by a file. Import the module "
+            "that defines it before loading."
+        )
+    return cls
 
 
 @keras.saving.register_keras_serializable(package="kerasmp")
@@ -159,10 +170,15 @@ class Policy(keras.DTypePolicy):
     """A `keras.DTypePolicy` that keeps fragile layers in float32.
 
     Layers governed by this policy compute in the policy's compute dtype,
-    except the layers matched by `float32_layers`, which compute (and output)
-    float32 with float32 variables. A layer is governed by the policy when it
-    was built with `dtype=None` while this policy was global, or was handed
-    this policy by its parent layer. A layer built with any other explicit
+    except the layers matched by `float32_layers`, which compute in float32
+    with float32 variables. Inside a model such a layer hands its output on
+    in the policy's compute dtype, so it composes with the half-precision
+    tensors around it (a post-LN residual `x + norm(x)` works); the outputs
+    of the model itself (or of an overridden layer called on its own) are
+    the float32 values, so the probabilities that reach a loss are float32.
+    A layer is governed by the policy when it was built with `dtype=None`
+    while this policy was global, or was handed this policy by its parent
+    layer. A layer built with any other explicit
     `dtype=` keeps that dtype.
 
     Args:
@@ -208,9 +224,18 @@ class Policy(keras.DTypePolicy):
                 "`float32_layers` must be a sequence of layer classes and/or "
                 f"regular expressions. Received: {float32_layers!r}"
             ) from None
+        install()
         super().__init__(name)
         self._rules = tuple(parse_rule(r) for r in rules)
+        self._matchers = {
+            r.pattern: NameMatcher(r.pattern)
+            for r in self._rules
+            if isinstance(r, re.Pattern)
+        }
         self._overrides = {}  # rule description -> Float32Override
+        # (layer class, name, activation) -> rule description or None, so
+        # that each layer is matched once, not on every dtype lookup.
+        self._decisions = {}
 
     @property
     def float32_layers(self):
@@ -232,17 +257,28 @@ class Policy(keras.DTypePolicy):
             A short description of the matching rule, e.g. `"Softmax"`,
             `"activation=softmax"` or `"name~'head.*'"`, or None.
         """
+        activation = _activation_name(layer)
+        key = (type(layer), layer.name, activation)
+        try:
+            return self._decisions[key]
+        except KeyError:
+            pass
+        decision = self._match(layer, activation)
+        self._decisions[key] = decision
+        return decision
+
+    def _match(self, layer, activation):
         for rule in self._rules:
             if isinstance(rule, re.Pattern):
-                if rule.fullmatch(layer.name or ""):
+                if self._matchers[rule.pattern].fullmatch(layer.name or ""):
                     return f"name~{rule.pattern!r}"
             elif isinstance(layer, rule):
                 return rule.__name__
             elif (
                 rule is keras.layers.Softmax
-                and _activation_name(layer) in _SOFTMAX_ACTIVATIONS
+                and activation in _SOFTMAX_ACTIVATIONS
             ):
-                return f"activation={_activation_name(layer)}"
+                return f"activation={activation}"
         return None
 
     def policy_for(self, layer):
@@ -381,4 +417,30 @@ def float32_rule(layer, policy=None):
     return policy.float32_rule(layer)
 
 
-_hooks.install(Policy, saved_classes=(Policy, Float32Override))
+def install():
+    """Installs kerasmp's hooks into Keras (idempotent).
+
+    Importing kerasmp and creating a `Policy` install them, so user code
+    never needs to; see `kerasmp._hooks` for what they change. They act only
+    on layers whose policy is a kerasmp one.
+    """
+    _hooks.install(Policy, saved_classes=(Policy, Float32Override))
+
+
+def uninstall():
+    """Removes kerasmp's hooks: Keras behaves exactly as without kerasmp.
+
+    Layers built under a `kerasmp.Policy` keep it, but then compute in its
+    dtype without float32 overrides. Creating a `Policy` installs the hooks
+    again.
+
+    Example:
+
+    >>> kerasmp.uninstall()
+    >>> keras.layers.Softmax(dtype="mixed_float16").compute_dtype
+    'float16'
+    """
+    _hooks.uninstall()
+
+
+install()

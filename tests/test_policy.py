@@ -21,9 +21,12 @@ def _big_softmax_input(n=2, features=16, seed=0):
 
 
 @pytest.mark.parametrize("activation_layer", ["layer", "dense_activation"])
-def test_100k_class_softmax_sums_to_one_only_with_kerasmp(activation_layer):
-    # float16 softmax over 100,000 classes: sum(exp(x - max)) > 65504 = inf,
-    # so every probability is 0. The analytic reference is a sum of 1.
+def test_100k_class_softmax_sums_to_one(activation_layer, capsys):
+    # float16 softmax over 100,000 classes: sum(exp(x - max)) can exceed
+    # 65504, and then every probability is 0. The analytic reference is a
+    # sum of 1. Whether stock Keras fails depends on the CPU (it does on an
+    # AMD EPYC, not on an Intel Xeon with AVX512_FP16), so its result is
+    # only reported, never asserted.
     def build():
         if activation_layer == "layer":
             layers = [keras.layers.Dense(100_000), keras.layers.Softmax()]
@@ -35,12 +38,15 @@ def test_100k_class_softmax_sums_to_one_only_with_kerasmp(activation_layer):
     keras.config.set_dtype_policy("mixed_float16")  # stock Keras
     stock = build()
     stock_sums = np.asarray(stock(x), dtype="float64").sum(-1)
-    assert not np.allclose(stock_sums, 1.0, rtol=1e-3)
+    with capsys.disabled():
+        print(f"\n[stock mixed_float16 softmax sums on this CPU: {stock_sums}]")
 
     kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     model = build()
     model.set_weights(stock.get_weights())
-    sums = np.asarray(model(x), dtype="float64").sum(-1)
+    probs = model(x)
+    assert keras.backend.standardize_dtype(probs.dtype) == "float32"
+    sums = np.asarray(probs, dtype="float64").sum(-1)
     np.testing.assert_allclose(sums, 1.0, rtol=1e-3)
 
 
@@ -376,3 +382,308 @@ def test_cli_inspect_prints_saved_model_report(tmp_path, capsys):
     assert re.search(
         r"softmax\S*\s+Softmax\s+float32\s+float32\s+kerasmp override", out)
     assert re.search(r"head\s+Dense\s+float16", out)
+
+
+# --- Overrides that compose (float32 inside, compute dtype between layers) --
+
+
+class _PostLN(keras.layers.Layer):
+    """The BERT pattern: a residual added to a LayerNormalization output."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization()
+        self.ff = keras.layers.Dense(8)
+
+    def call(self, x):
+        x = self.norm(x)
+        return self.norm(x + self.ff(x))
+
+
+class _UserAdd(keras.layers.Layer):
+    """User call() code adding a normalized tensor to a float16 one."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization()
+        self.softmax = keras.layers.Softmax()
+        self.ff = keras.layers.Dense(8)
+
+    def call(self, x):
+        h = self.ff(x)
+        return self.norm(h) + h + self.softmax(h)
+
+
+class _Probe(keras.layers.Layer):
+    """Records the dtype of what it receives (no input cast)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(autocast=False, **kwargs)
+        self.seen = []
+
+    def call(self, x):
+        self.seen.append(keras.backend.standardize_dtype(x.dtype))
+        return x
+
+
+def _float32_twin_outputs(build, x):
+    keras.config.set_dtype_policy("float32")
+    ref = build()
+    ref_out = np.asarray(ref(x))
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    model = build()
+    model.set_weights(ref.get_weights())
+    return model, ref_out
+
+
+@pytest.mark.parametrize("block", [_PostLN, _UserAdd])
+def test_overridden_outputs_compose_with_float16(block):
+    # Fails with `AddV2 ... half tensor but is a float tensor` on
+    # TensorFlow when an overridden layer hands float32 to user code.
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+
+    def build():
+        inputs = keras.Input((8,))
+        return keras.Model(inputs, block()(inputs))
+
+    model, ref = _float32_twin_outputs(build, x)
+    out = model(x)
+    np.testing.assert_allclose(np.asarray(out, "float32"), ref, atol=2e-2)
+    inner = model.layers[1]
+    assert inner.norm.compute_dtype == "float32"
+    assert inner.ff.compute_dtype == "float16"
+
+
+def test_activations_between_layers_stay_half_precision():
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    probe_norm, probe_softmax = _Probe(), _Probe()
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(8),
+        keras.layers.LayerNormalization(),
+        probe_norm,
+        keras.layers.Softmax(),
+        probe_softmax,
+        keras.layers.Dense(3),
+        keras.layers.Softmax(),
+    ])
+    out = model(np.ones((2, 8), "float32"))
+    assert probe_norm.seen[-1] == "float16"
+    assert probe_softmax.seen[-1] == "float16"
+    # The model's own output is the float32 softmax.
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+
+
+def test_attention_probabilities_half_but_softmax_computed_in_float32():
+    # Attention over 100k keys: a float16 softmax may overflow its
+    # denominator; kerasmp computes it in float32 and hands float16
+    # probabilities on, so they still sum to 1.
+    class Attend(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.mha = keras.layers.MultiHeadAttention(1, 4, use_bias=False)
+
+        def call(self, q, v):
+            out, scores = self.mha(q, v, return_attention_scores=True)
+            self.seen = keras.backend.standardize_dtype(scores.dtype)
+            return out, scores
+
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    layer = Attend()
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(1, 2, 4)).astype("float32")
+    v = rng.normal(size=(1, 100_000, 4)).astype("float32")
+    inputs_q, inputs_v = keras.Input((2, 4)), keras.Input((100_000, 4))
+    out, scores = layer(inputs_q, inputs_v)
+    model = keras.Model([inputs_q, inputs_v], [out, scores])
+    out, scores = model([q, v])
+    assert layer.mha._softmax.compute_dtype == "float32"
+    # Inside the model the probabilities are float16; as the model's own
+    # output they are the float32 values the softmax computed.
+    assert layer.seen == "float16"
+    assert keras.backend.standardize_dtype(out.dtype) == "float16"
+    np.testing.assert_allclose(
+        np.asarray(scores, "float64").sum(-1), 1.0, rtol=1e-2)
+
+
+def test_probabilities_that_reach_the_loss_are_float32():
+    # A softmax whose true-class probability is ~1e-10, below float16's
+    # smallest subnormal: -log(p) must match the float32 model, not
+    # become inf (or a clipped value) from a float16 round trip.
+    def build():
+        return keras.Sequential([
+            keras.Input((2,)),
+            keras.layers.Dense(4, activation="softmax",
+                               kernel_initializer="zeros"),
+        ])
+
+    def loss(y_true, y_pred):
+        return -keras.ops.log(y_pred[:, 0])
+
+    x = np.array([[12.0, 0.0]], "float32")
+    y = np.zeros((1,), "float32")
+
+    def weights(model):
+        w = np.zeros((2, 4), "float32")
+        w[0, 1:] = 2.0  # logits (0, 24, 24, 24): p0 ~ 1.3e-11
+        model.set_weights([w, np.zeros(4, "float32")])
+
+    results = []
+    for policy in ("float32", kerasmp.Policy("mixed_float16")):
+        kerasmp.set_global_policy(policy)
+        model = build()
+        weights(model)
+        model.compile("sgd", loss)
+        results.append(model.evaluate(x, y, verbose=0))
+    assert np.isfinite(results[1])
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-3)
+
+
+# --- Portable files ---------------------------------------------------------
+
+_NO_KERASMP_SCRIPT = """
+import json, sys
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "kerasmp" or name.startswith("kerasmp."):
+            raise ImportError("kerasmp is not installed here")
+sys.meta_path.insert(0, _Blocker())
+import numpy as np
+import keras
+model = keras.models.load_model({path!r})
+assert "kerasmp" not in sys.modules
+dtypes = {{l.name: l.compute_dtype for l in model.layers
+          if not isinstance(l, keras.layers.InputLayer)}}
+preds = model.predict(np.load({x_path!r}), verbose=0)
+print(json.dumps({{"dtypes": dtypes, "preds": preds.tolist()}}))
+"""
+
+
+def _portable_model():
+    inputs = keras.Input((6, 8))
+    x = keras.layers.Dense(8, name="proj")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(x)
+    x = keras.layers.Add(name="residual")([x, keras.layers.Dense(8)(h)])
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.Dense(5, name="logits")(x)
+    outputs = keras.layers.Softmax(name="probs")(x)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.slow
+def test_saved_file_loads_without_kerasmp(tmp_path):
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    model = _portable_model()
+    x = np.random.default_rng(2).normal(size=(4, 6, 8)).astype("float32")
+    preds = model.predict(x, verbose=0)
+    dtypes = {l.name: l.compute_dtype for l in model.layers
+              if not isinstance(l, keras.layers.InputLayer)}
+    assert dtypes["norm"] == dtypes["probs"] == dtypes["bn"] == "float32"
+    assert dtypes["proj"] == "float16"
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    np.save(tmp_path / "x.npy", x)
+    script = _NO_KERASMP_SCRIPT.format(path=path,
+                                       x_path=str(tmp_path / "x.npy"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                         text=True,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded["dtypes"] == dtypes
+    np.testing.assert_allclose(np.asarray(loaded["preds"]), preds, atol=1e-6)
+
+    # With kerasmp, the same file comes back with kerasmp's policies.
+    kerasmp.set_global_policy("float32")
+    again = keras.models.load_model(path)
+    assert isinstance(kerasmp.stored_policy(again.get_layer("proj")),
+                      kerasmp.Policy)
+    assert isinstance(again.get_layer("probs").dtype_policy,
+                      kerasmp.Float32Override)
+
+
+def test_files_in_the_previous_format_still_load():
+    # Version 0.1.0 saved the policy objects themselves
+    # ("registered_name": "kerasmp>Policy"); such configs must keep loading.
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16",
+                                             float32_layers=["probs"]))
+    model = _portable_model()
+    config = model.get_config()
+    old_policy = keras.saving.serialize_keras_object(
+        kerasmp.Policy("mixed_float16", float32_layers=["probs"]))
+    assert old_policy["registered_name"] == "kerasmp>Policy"
+    for layer in config["layers"]:
+        if isinstance(layer["config"].get("dtype"), dict):
+            layer["config"]["dtype"] = old_policy
+    kerasmp.set_global_policy("float32")
+    loaded = keras.Model.from_config(config)
+    assert loaded.get_layer("probs").compute_dtype == "float32"
+    assert loaded.get_layer("norm").compute_dtype == "float16"  # not a rule
+    assert loaded.get_layer("proj").compute_dtype == "float16"
+
+
+def test_loading_never_imports_a_module_named_by_the_file(tmp_path,
+                                                          monkeypatch):
+    marker = tmp_path / "imported"
+    (tmp_path / "kerasmp_evil_mod.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\n"
+        "import keras\nclass Evil(keras.layers.Layer):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {"name": "mixed_float16", "float32_layers": [
+        {"module": "kerasmp_evil_mod", "class_name": "Evil"}]}
+    with pytest.raises(ValueError, match="does not import"):
+        kerasmp.Policy.from_config(config)
+    saved = {**keras.dtype_policies.serialize(
+        kerasmp.Policy("mixed_float16")), "kerasmp": {
+        "class_name": "Policy", "config": config}}
+    layer_config = {"units": 2, "dtype": saved}
+    with pytest.raises(ValueError, match="does not import"):
+        keras.layers.Dense.from_config(layer_config)
+    saved["kerasmp"] = {"class_name": "os.system", "config": {}}
+    with pytest.raises(ValueError, match="kerasmp dtype policy"):
+        keras.layers.Dense.from_config(layer_config)
+    assert not marker.exists()
+    assert "kerasmp_evil_mod" not in sys.modules
+
+
+def test_name_rules_are_linear_time_and_matched_once_per_layer(monkeypatch):
+    # `(a|aa)+` against 'a' * 40 + 'b' takes Python's backtracking engine
+    # ~2**28 steps; kerasmp's matcher is linear in the name.
+    policy = kerasmp.Policy.from_config(
+        {"name": "mixed_float16", "float32_layers": [{"pattern": "(a|aa)+"}]})
+    from kerasmp import _namematch
+
+    calls = []
+    original = _namematch.NameMatcher.fullmatch
+    monkeypatch.setattr(_namematch.NameMatcher, "fullmatch",
+                        lambda self, n: calls.append(n) or original(self, n))
+    kerasmp.set_global_policy(policy)
+    layers = [keras.layers.Dense(2, name="a" * 40 + "b"),
+              keras.layers.Dense(2, name="a" * 40)]
+    for _ in range(50):
+        dtypes = [l.compute_dtype for l in layers]
+    assert dtypes == ["float16", "float32"]
+    assert sorted(calls) == sorted(l.name for l in layers)
+
+
+@pytest.mark.parametrize("pattern", ["(a)\\1", "(?=a)b", "(?i)head"])
+def test_unsupported_patterns_are_refused_naming_the_argument(pattern):
+    with pytest.raises(ValueError, match="float32_layers"):
+        kerasmp.Policy("mixed_float16", float32_layers=[pattern])
+
+
+def test_uninstall_restores_stock_keras():
+    try:
+        kerasmp.uninstall()
+        keras.config.set_dtype_policy("mixed_float16")
+        softmax = keras.layers.Softmax()
+        assert softmax.compute_dtype == "float16"  # stock: no override
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        # Stock rule: wrapped by the stock LossScaleOptimizer by name.
+        assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
+    finally:
+        kerasmp.install()
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    assert keras.layers.Softmax().compute_dtype == "float32"
