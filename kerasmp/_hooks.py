@@ -282,6 +282,21 @@ def _from_config(cls, config):
         keras.config.set_dtype_policy(previous)
 
 
+def _dtype_policy_modules():
+    """`keras.src.dtype_policies` and the public modules that re-export its
+    `serialize`/`deserialize` (keras-hub calls the public ones)."""
+    import keras.dtype_policies as public
+
+    modules = [_dtype_policies, public]
+    try:
+        from keras._tf_keras.keras import dtype_policies as tf_keras_public
+
+        modules.append(tf_keras_public)
+    except ImportError:
+        pass
+    return modules
+
+
 def install(policy_cls, saved_classes):
     """Installs the hooks (idempotent). Called by `kerasmp.policy`.
 
@@ -310,8 +325,9 @@ def install(policy_cls, saved_classes):
     _operation.Operation.from_config = classmethod(
         functools.wraps(_originals["from_config"])(_from_config)
     )
-    _dtype_policies.serialize = _serialize
-    _dtype_policies.deserialize = _deserialize
+    for module in _dtype_policy_modules():
+        module.serialize = _serialize
+        module.deserialize = _deserialize
     _installed = True
 
 
@@ -328,8 +344,9 @@ def uninstall():
     keras.layers.Layer.__call__ = _originals["__call__"]
     _Trainer.compile = _originals["compile"]
     _operation.Operation.from_config = classmethod(_originals["from_config"])
-    _dtype_policies.serialize = _originals["serialize"]
-    _dtype_policies.deserialize = _originals["deserialize"]
+    for module in _dtype_policy_modules():
+        module.serialize = _originals["serialize"]
+        module.deserialize = _originals["deserialize"]
     _installed = False
 
 

@@ -1,0 +1,200 @@
+"""kerasmp on models nobody here wrote: keras-hub transformers (post-LN BERT,
+pre-LN GPT-2) and keras.applications CNNs, all built from scratch with small
+configs (no downloads).
+
+For each model, under `kerasmp.Policy("mixed_float16")` with a softmax head:
+`fit` with both monitors with `jit_compile` False and True, save to `.keras`
+and reload in a process where kerasmp cannot be imported, and export to
+every format with the parity report. TensorFlow's float16 convolutions
+without XLA are very slow on a CPU, so the CNN inputs are tiny.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmp
+
+keras_hub = pytest.importorskip("keras_hub")
+
+BACKEND = keras.backend.backend()
+SEQ = 8
+VOCAB = 64
+BATCH = 4
+TRANSFORMER = dict(vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                   hidden_dim=16, intermediate_dim=32,
+                   max_sequence_length=SEQ)
+
+
+def _token_inputs(backbone):
+    return {name: keras.Input((SEQ,), dtype="int32", name=name)
+            for name in backbone.input}
+
+
+def _transformer(cls):
+    def build():
+        backbone = cls(**TRANSFORMER)
+        inputs = _token_inputs(backbone)
+        out = backbone(inputs)
+        seq = out["sequence_output"] if isinstance(out, dict) else out
+        x = keras.layers.GlobalAveragePooling1D()(seq)
+        outputs = keras.layers.Dense(3, activation="softmax")(x)
+        return keras.Model(inputs, outputs)
+
+    def data(n, seed=0):
+        rng = np.random.default_rng(seed)
+        x = {"token_ids": rng.integers(0, VOCAB, (n, SEQ)).astype("int32"),
+             "padding_mask": np.ones((n, SEQ), "int32")}
+        if cls is keras_hub.models.BertBackbone:
+            x["segment_ids"] = np.zeros((n, SEQ), "int32")
+        return x
+
+    return build, data
+
+
+def _application(fn, size=32):
+    def build():
+        base = fn(weights=None, include_top=False, pooling="avg",
+                  input_shape=(size, size, 3))
+        inputs = keras.Input((size, size, 3))
+        outputs = keras.layers.Dense(3, activation="softmax")(base(inputs))
+        return keras.Model(inputs, outputs)
+
+    def data(n, seed=0):
+        rng = np.random.default_rng(seed)
+        return rng.uniform(0, 255, (n, size, size, 3)).astype("float32")
+
+    return build, data
+
+
+MODELS = {
+    "bert": _transformer(keras_hub.models.BertBackbone),
+    "gpt2": _transformer(keras_hub.models.GPT2Backbone),
+    "mobilenetv3small": _application(keras.applications.MobileNetV3Small),
+    "resnet50": _application(keras.applications.ResNet50),
+}
+
+
+def _build(name):
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    try:
+        return MODELS[name][0]()
+    finally:
+        kerasmp.set_global_policy("float32")
+
+
+def _labels(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 3, n)
+
+
+def _all_finite(model):
+    return all(np.isfinite(np.asarray(w, "float32")).all()
+               for w in model.get_weights())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fit_with_monitors(name, jit_compile):
+    if (BACKEND == "tensorflow" and not jit_compile
+            and name in ("resnet50", "mobilenetv3small")):
+        pytest.skip("TF float16 convolutions without XLA are 100x+ slower on "
+                    "a CPU; the XLA run covers the model")
+    model = _build(name)
+    x, y = MODELS[name][1](2 * BATCH), _labels(2 * BATCH)
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=jit_compile)
+    assert isinstance(model.optimizer, kerasmp.LossScaleOptimizer)
+    nonfinite = kerasmp.callbacks.NonFiniteMonitor(action="warn")
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, verbose=0,
+        callbacks=[kerasmp.callbacks.LossScaleMonitor(), nonfinite])
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all()
+    assert history.history["loss_scale"][-1] == pytest.approx(
+        float(model.optimizer.loss_scale))
+    assert _all_finite(model)
+    probs = model.predict(x, verbose=0)
+    assert probs.dtype == np.float32
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-3)
+
+
+_NO_KERASMP = """
+import json, sys
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "kerasmp" or name.startswith("kerasmp."):
+            raise ImportError("kerasmp is not installed here")
+sys.meta_path.insert(0, _Blocker())
+import numpy as np
+import keras
+import keras_hub  # noqa: F401  (registers its layers, as a user would)
+model = keras.models.load_model({path!r})
+data = dict(np.load({x_path!r}))
+x = data["x"] if list(data) == ["x"] else data
+preds = model.predict(x, verbose=0)
+dtypes = {{l.name: l.compute_dtype
+          for l in (model._flatten_layers() if {leaves} else model.layers)
+          if not l._layers and not isinstance(l, keras.layers.InputLayer)}}
+print(json.dumps({{"preds": preds.tolist(), "dtypes": dtypes}}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_saved_file_reloads_without_kerasmp(name, tmp_path):
+    model = _build(name)
+    x = MODELS[name][1](BATCH, seed=1)
+    preds = model.predict(x, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    np.savez(tmp_path / "x.npz", **(x if isinstance(x, dict) else {"x": x}))
+    # keras.applications models are graphs of Keras layers: every layer,
+    # nested ones too, reloads with its own dtype and the predictions are
+    # the same. Transformer blocks create their sublayers in code, which
+    # (without kerasmp) take the block's policy: the top-level layers keep
+    # their dtypes, and the predictions differ at float16 level.
+    cnn = name in ("mobilenetv3small", "resnet50")
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_KERASMP.format(
+            path=path, x_path=str(tmp_path / "x.npz"), leaves=cnn)],
+        capture_output=True, text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    dtypes = {l.name: l.compute_dtype
+              for l in (model._flatten_layers() if cnn else model.layers)
+              if not l._layers and not isinstance(l, keras.layers.InputLayer)}
+    assert loaded["dtypes"] == dtypes
+    assert "float32" in dtypes.values() or not cnn
+    atol = 1e-6 if cnn else 2e-2
+    np.testing.assert_allclose(np.asarray(loaded["preds"]), preds, atol=atol)
+
+
+def _formats():
+    if BACKEND != "tensorflow":
+        return ["keras"]
+    return ["keras", "savedmodel", "tflite", "onnx"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", _formats())
+@pytest.mark.parametrize("name", list(MODELS))
+def test_export_with_parity_report(name, fmt, tmp_path):
+    if fmt == "onnx":
+        pytest.importorskip("tf2onnx")
+    model = _build(name)
+    suffix = {"keras": ".keras", "tflite": ".tflite", "onnx": ".onnx"}
+    path = str(tmp_path / f"model{suffix.get(fmt, '')}")
+    report = kerasmp.export.export(
+        model, path, format=fmt, sample=MODELS[name][1](16, seed=2))
+    assert os.path.exists(path)
+    assert report.max_abs_diff <= 1e-2, str(report)
+    assert report.size_ratio <= 0.55, str(report)
+    if report.top1_agreement is not None:
+        assert report.top1_agreement >= 0.9
