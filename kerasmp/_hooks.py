@@ -51,8 +51,8 @@ import inspect
 import threading
 
 import keras
-from keras.src import backend as _backend
 from keras.src import dtype_policies as _dtype_policies
+from keras.src.backend.common import masking as _masking
 from keras.src.ops import operation as _operation
 from keras.src.trainers import trainer as _trainer_module
 
@@ -144,9 +144,9 @@ def _is_castable(x, target):
     if x is None or isinstance(x, keras.KerasTensor):
         return False
     dtype = getattr(x, "dtype", None)
-    if dtype is None or not _backend.is_tensor(x):
+    if dtype is None or not keras.ops.is_tensor(x):
         return False
-    dtype = _backend.standardize_dtype(dtype)
+    dtype = keras.backend.standardize_dtype(dtype)
     return dtype in ("float32", "float64") and dtype != target
 
 
@@ -155,9 +155,9 @@ def _cast_down(outputs, target, originals):
         if not _is_castable(x, target):
             return x
         y = keras.ops.cast(x, target)
-        mask = _backend.get_keras_mask(x)
+        mask = _masking.get_keras_mask(x)
         if mask is not None:
-            _backend.set_keras_mask(y, mask)
+            _masking.set_keras_mask(y, mask)
         originals[id(y)] = (y, x)
         return y
 
