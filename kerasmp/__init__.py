@@ -14,7 +14,12 @@ and `keras` the program imports first, so a saved model that names
 
 import importlib
 import importlib.abc
+import importlib.util
 import sys
+
+# Light (standard library only), and imported here so that `kerasmp.doctor`
+# stays the function even after the `kerasmp.doctor` module is imported.
+from kerasmp.doctor import doctor
 
 __version__ = "0.1.0"
 
@@ -23,7 +28,6 @@ _LAZY = {
     "callbacks": ("kerasmp.callbacks", None),
     "debug": ("kerasmp.debug", None),
     "export": ("kerasmp.export", None),
-    "doctor": ("kerasmp.doctor", "doctor"),
     "NonFiniteError": ("kerasmp.errors", "NonFiniteError"),
     "NonFiniteWarning": ("kerasmp.errors", "NonFiniteWarning"),
     "LossScaleOptimizer": ("kerasmp.optimizer", "LossScaleOptimizer"),
@@ -65,12 +69,13 @@ _REGISTERING = ("kerasmp.policy", "kerasmp.optimizer")
 
 
 def __getattr__(name):
-    try:
+    if name in _LAZY:
         module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(
-            f"module 'kerasmp' has no attribute {name!r}"
-        ) from None
+    elif not name.startswith("__") and importlib.util.find_spec(
+            f"kerasmp.{name}") is not None:
+        module_name, attr = f"kerasmp.{name}", None  # e.g. kerasmp.policy
+    else:
+        raise AttributeError(f"module 'kerasmp' has no attribute {name!r}")
     module = importlib.import_module(module_name)
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value

@@ -140,6 +140,8 @@ def test_import_kerasmp_is_lazy_and_keeps_its_api():
         "assert not {'keras', 'tensorflow', 'jax'} & set(sys.modules), "
         "sorted(sys.modules)\n"
         "assert set(kerasmp.__all__) <= set(dir(kerasmp))\n"
+        "import kerasmp.doctor\n"
+        "assert callable(kerasmp.doctor)  # the function, not the module\n"
         "import keras\n"
         "# Loading needs kerasmp's classes registered: a bare import does.\n"
         "for name in ('kerasmp>Policy', 'kerasmp>LossScaleOptimizer',\n"
