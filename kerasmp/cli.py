@@ -184,9 +184,11 @@ def unsafe_contents(config):
 
     Returns:
         A list of `(kind, name)`: `("module", "pkg.mod")` for every module
-        outside `SAFE_PACKAGES` the config names (Keras would not import it,
-        but a `from_config` may), `("lambda", layer name)` for `Lambda`
-        layers and `("lambda", "__lambda__")` for other Python lambdas.
+        outside `SAFE_PACKAGES` the config names that is not imported yet
+        (Keras would not import it, but a `from_config` may; one already
+        imported, as when `kerasmp.cli.main` runs in the process that
+        defined the class, runs no new code), `("lambda", layer name)` for
+        `Lambda` layers and `("lambda", "__lambda__")` for other lambdas.
     """
     found = []
 
@@ -194,7 +196,8 @@ def unsafe_contents(config):
         if isinstance(obj, dict):
             module = obj.get("module")
             if isinstance(module, str) and module:
-                if module.split(".")[0] not in SAFE_PACKAGES:
+                if (module.split(".")[0] not in SAFE_PACKAGES
+                        and module not in sys.modules):
                     found.append(("module", module))
             if obj.get("class_name") == "Lambda":
                 inner = obj.get("config")
