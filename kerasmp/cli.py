@@ -486,7 +486,7 @@ def _export(args):
     if check_target is not None:
         try:
             check_target(args.out, args.format, args.overwrite)
-        except (ValueError, FileExistsError, TypeError) as e:
+        except (ValueError, FileExistsError, TypeError, ImportError) as e:
             raise UsageError(_cli_words(str(e))) from None
     model = _load_model(args, args.model, args._modules)
     kwargs = dict(format=args.format, dtype=args.dtype, sample=args._sample,
