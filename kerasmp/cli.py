@@ -373,7 +373,15 @@ def _load_model(args, path, modules):
         import importlib
 
         for module in modules:
-            importlib.import_module(module)
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                if getattr(args, "debug", False):
+                    raise
+                raise UsageError(
+                    f"MODEL {path!r} names the module {module!r}, which "
+                    f"cannot be imported ({e}); put it on PYTHONPATH"
+                ) from None
     try:
         if args.unsafe:
             return keras.saving.load_model(path, compile=False,
