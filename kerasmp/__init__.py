@@ -1,32 +1,50 @@
 """kerasmp: mixed-precision training for Keras 3 that is correct, observable
 and exportable.
 
-Importing kerasmp installs its policy hooks (see `kerasmp._hooks`); they act
-only on layers governed by a `kerasmp.Policy`.
+`import kerasmp` is cheap: it imports neither Keras nor TensorFlow/JAX. The
+public names below are imported on first use (PEP 562 module `__getattr__`),
+so `kerasmp --help` and `from kerasmp import cli` start in a fraction of a
+second. kerasmp's policy hooks (see `kerasmp._hooks`) and its serializable
+classes are installed as soon as Keras is imported, whichever of `kerasmp`
+and `keras` the program imports first, so a saved model that names
+`kerasmp>Policy` or `kerasmp>LossScaleOptimizer` loads after a bare
+`import kerasmp`. The hooks act only on layers governed by a
+`kerasmp.Policy`.
 """
 
-from kerasmp import callbacks
-from kerasmp import debug
-from kerasmp import export
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+# Light (standard library only), and imported here so that `kerasmp.doctor`
+# stays the function even after the `kerasmp.doctor` module is imported.
 from kerasmp.doctor import doctor
-from kerasmp.errors import NonFiniteError
-from kerasmp.errors import NonFiniteWarning
-from kerasmp.optimizer import LossScaleOptimizer
-from kerasmp.plotting import plot_loss_scale
-from kerasmp.policy import DEFAULT_FLOAT32_LAYERS
-from kerasmp.policy import Float32Override
-from kerasmp.policy import Policy
-from kerasmp.policy import float32_rule
-from kerasmp.policy import global_policy
-from kerasmp.policy import install
-from kerasmp.policy import policy_scope
-from kerasmp.policy import set_global_policy
-from kerasmp.policy import stored_policy
-from kerasmp.policy import uninstall
-from kerasmp.report import DTypeReport
-from kerasmp.report import dtype_report
 
 __version__ = "0.1.0"
+
+# Public name -> (module, attribute or None for the module itself).
+_LAZY = {
+    "callbacks": ("kerasmp.callbacks", None),
+    "debug": ("kerasmp.debug", None),
+    "export": ("kerasmp.export", None),
+    "NonFiniteError": ("kerasmp.errors", "NonFiniteError"),
+    "NonFiniteWarning": ("kerasmp.errors", "NonFiniteWarning"),
+    "LossScaleOptimizer": ("kerasmp.optimizer", "LossScaleOptimizer"),
+    "plot_loss_scale": ("kerasmp.plotting", "plot_loss_scale"),
+    "DEFAULT_FLOAT32_LAYERS": ("kerasmp.policy", "DEFAULT_FLOAT32_LAYERS"),
+    "Float32Override": ("kerasmp.policy", "Float32Override"),
+    "Policy": ("kerasmp.policy", "Policy"),
+    "float32_rule": ("kerasmp.policy", "float32_rule"),
+    "global_policy": ("kerasmp.policy", "global_policy"),
+    "install": ("kerasmp.policy", "install"),
+    "uninstall": ("kerasmp.policy", "uninstall"),
+    "stored_policy": ("kerasmp.policy", "stored_policy"),
+    "policy_scope": ("kerasmp.policy", "policy_scope"),
+    "set_global_policy": ("kerasmp.policy", "set_global_policy"),
+    "DTypeReport": ("kerasmp.report", "DTypeReport"),
+    "dtype_report": ("kerasmp.report", "dtype_report"),
+}
 
 __all__ = [
     "DEFAULT_FLOAT32_LAYERS",
@@ -50,3 +68,88 @@ __all__ = [
     "stored_policy",
     "uninstall",
 ]
+
+# Modules that register kerasmp's Keras-serializable classes (and install the
+# policy hooks): imported as soon as Keras is.
+_REGISTERING = ("kerasmp.policy", "kerasmp.optimizer")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+    elif not name.startswith("__") and importlib.util.find_spec(
+            f"kerasmp.{name}") is not None:
+        module_name, attr = f"kerasmp.{name}", None  # e.g. kerasmp.policy
+    else:
+        raise AttributeError(f"module 'kerasmp' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def _register():
+    # Never break `import keras`: a failure here shows again, with its
+    # traceback, when the program uses kerasmp.
+    try:
+        for name in _REGISTERING:
+            importlib.import_module(name)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class _AfterKerasImport(importlib.abc.MetaPathFinder):
+    """Imports kerasmp's registering modules right after `keras` is imported.
+
+    It only wraps the loader of the top-level `keras` package (found by the
+    other finders) and removes itself once Keras is loaded.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "keras":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+        finder = self
+
+        class _Loader(importlib.abc.Loader):
+            def __getattr__(self, name):
+                return getattr(loader, name)
+
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                _remove(finder)
+                original(module)
+                _register()
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _remove(finder):
+    try:
+        sys.meta_path.remove(finder)
+    except ValueError:
+        pass
+
+
+if "keras" in sys.modules:
+    _register()
+else:
+    sys.meta_path.insert(0, _AfterKerasImport())

@@ -19,6 +19,10 @@ Artifacts, under `--out` (default `./kerasmp-demo`):
 - `model_fp16.keras` (and `model_fp16_savedmodel/` on TensorFlow): the
   half-precision export (`model_bf16...` with `--policy mixed_bfloat16`),
 - `summary.json`: everything the table shows, and more.
+
+A run first removes the artifacts an earlier demo run left in `--out` (the
+names above, `ARTIFACT_NAMES`; nothing else in the folder), so the folder and
+the list the demo prints hold only what this run wrote.
 """
 
 import csv
@@ -26,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -40,6 +45,13 @@ BATCH_SIZE = 32
 LEARNING_RATE = 3e-3
 GROWTH_STEPS = 100
 SUMMARY_VERSION = 1
+# Every file or folder name the demo writes in `out`, for any policy and
+# backend: a run removes these first (and only these).
+ARTIFACT_NAMES = (
+    "history.csv", "loss_scale.png", "events.jsonl", "model.keras",
+    "model_fp16.keras", "model_bf16.keras", "model_fp16_savedmodel",
+    "model_bf16_savedmodel", "summary.json",
+)
 
 
 def build_cnn(num_classes=10, input_shape=(8, 8, 1)):
@@ -210,8 +222,6 @@ def _train(name, policy, data, epochs, seed, batch_size, out, verbose):
         callbacks.append(LossScaleMonitor())
     if name != "float32":
         events_path = os.path.join(out, "events.jsonl")
-        if os.path.exists(events_path):
-            os.remove(events_path)
         nonfinite = NonFiniteMonitor(action="warn", log_file=events_path)
         callbacks.append(nonfinite)
     model.compile(
@@ -343,13 +353,24 @@ def _device():
         return f"unknown ({e})"
 
 
+def _remove_earlier_artifacts(out):
+    """Removes what an earlier demo run wrote in `out` (`ARTIFACT_NAMES`)."""
+    for name in ARTIFACT_NAMES:
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+
 def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
              seed=0, quick=False, batch_size=BATCH_SIZE, verbose=True):
     """Trains the demo CNN in float32 and in mixed precision and compares.
 
     Args:
-        out: Folder for the artifacts (created if needed; files in it with
-            the demo's names are replaced).
+        out: Folder for the artifacts (created if needed). The artifacts of
+            an earlier run there (`ARTIFACT_NAMES`) are removed first, so
+            it holds only what this run writes; other files are left.
         policy: `"mixed_float16"` (default; with loss scaling) or
             `"mixed_bfloat16"` (no loss scaling needed).
         epochs: Training epochs of each run. Defaults to 12, or 2 with
@@ -380,6 +401,7 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
         raise TypeError(f"`out` must be a folder path. Received: {out!r}")
     out = os.fspath(out)
     os.makedirs(out, exist_ok=True)
+    _remove_earlier_artifacts(out)
     if epochs is None:
         epochs = QUICK_EPOCHS if quick else DEFAULT_EPOCHS
     data = load_digits(seed=0)
@@ -418,8 +440,6 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     artifacts["loss_scale_png"] = None if why_not else png
     if why_not:
         notes.append(f"loss_scale.png skipped: {why_not}")
-        if os.path.exists(png):  # from an earlier run: it would mislead
-            os.remove(png)
     artifacts["events_jsonl"] = os.path.join(out, "events.jsonl")
     model_path = os.path.join(out, "model.keras")
     model.save(model_path)
@@ -553,31 +573,11 @@ def format_summary(summary):
     return "\n".join(lines)
 
 
-def add_arguments(parser):
-    """Adds the `kerasmp demo` arguments to an argparse parser.
-
-    Args:
-        parser: An `argparse.ArgumentParser` (e.g. a sub-command parser).
-    """
-    parser.add_argument("--out", default="kerasmp-demo",
-                        help="folder for the artifacts (default: "
-                        "./kerasmp-demo)")
-    parser.add_argument("--policy", choices=POLICIES, default="mixed_float16",
-                        help="mixed policy to compare with float32")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help=f"epochs per run (default {DEFAULT_EPOCHS}, "
-                        f"{QUICK_EPOCHS} with --quick)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of both runs (default 0)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a short run for smoke tests")
-    parser.add_argument("--json", action="store_true",
-                        help="print the summary as JSON instead of the table")
-    return parser
-
-
 def run(args):
-    """Runs `kerasmp demo` from parsed arguments; returns the exit code."""
+    """Runs `kerasmp demo` from parsed arguments; returns the exit code.
+
+    The arguments are defined (and checked) by `kerasmp.cli`.
+    """
     try:
         summary = run_demo(out=args.out, policy=args.policy,
                            epochs=args.epochs, seed=args.seed,

@@ -11,6 +11,7 @@ log, exported model reloaded with plain Keras) and the summary's fields.
 import csv
 import json
 import math
+import os
 
 import keras
 import numpy as np
@@ -144,6 +145,16 @@ def test_readme_command_mixed_matches_float32(tmp_path, monkeypatch, capsys):
 @pytest.mark.tensorflow  # backend-independent logic; the JAX run is long
 def test_quick_bfloat16_has_no_loss_scale(tmp_path, capsys):
     out = tmp_path / "bf16"
+    # What an earlier mixed_float16 run left in the same folder, and a file
+    # of the user's: the rerun replaces the former and keeps the latter.
+    out.mkdir()
+    earlier = ["model_fp16.keras", "loss_scale.png", "events.jsonl",
+               "summary.json"]
+    for name in earlier:
+        (out / name).write_text("earlier run\n")
+    (out / "model_fp16_savedmodel").mkdir()
+    (out / "model_fp16_savedmodel" / "saved_model.pb").write_text("x")
+    (out / "my_notes.txt").write_text("mine\n")
     code = cli.main(["demo", "--quick", "--policy", "mixed_bfloat16",
                      "--seed", "3", "--out", str(out)])
     assert code == 0
@@ -160,7 +171,17 @@ def test_quick_bfloat16_has_no_loss_scale(tmp_path, capsys):
     assert any("bfloat16 needs no loss scaling" in n for n in summary["notes"])
     assert {e["dtype"] for e in summary["exports"]} == {"bfloat16"}
     assert (out / "model_bf16.keras").exists()
-    assert "final loss scale" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "final loss scale" in printed
+    # The folder holds what this run wrote (all of it listed) and the
+    # user's file; nothing of the earlier run survives.
+    listed = {os.path.basename(p) for p in summary["artifacts"].values()
+              if p}
+    assert set(os.listdir(out)) == listed | {"my_notes.txt"}
+    assert (out / "my_notes.txt").read_text() == "mine\n"
+    assert "fp16" not in printed.split("artifacts:")[1]
+    for name in ("events.jsonl", "summary.json"):
+        assert (out / name).read_text() != "earlier run\n"
 
 
 @pytest.mark.parametrize(
@@ -179,10 +200,13 @@ def test_bad_arguments_are_named(kwargs, argname, tmp_path):
 
 
 def test_cli_rejects_bad_arguments(tmp_path, capsys):
-    assert cli.main(["demo", "--epochs", "0", "--out", str(tmp_path)]) == 2
-    assert "epochs" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["demo", "--policy", "float16"])
+    for args, flag in ((["--epochs", "0"], "--epochs"),
+                       (["--policy", "float16"], "--policy")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["demo", *args, "--out", str(tmp_path / "x")])
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_vendored_digits_match_scikit_learn():

@@ -1,0 +1,423 @@
+"""The `kerasmp` command as a user runs it: a subprocess of this Python.
+
+Each command runs `python -m kerasmp` with the tested package first on
+PYTHONPATH (the worktree in development, the editable install in CI). Most
+cases are user errors, which must be found before Keras/TensorFlow/JAX is
+imported: a small driver reports which heavy modules the command imported,
+so those runs stay fast (a fraction of a second each).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmp
+from kerasmp import cli
+
+ROOT = Path(kerasmp.__file__).resolve().parents[1]
+HEAVY = ("keras", "tensorflow", "jax")
+C_LOG = re.compile(r"^(?:[IWEF]\d{4} |WARNING: All log messages)", re.M)
+
+# Runs the command like `python -m kerasmp ARGS`, then reports on stderr
+# which heavy modules it imported.
+DRIVER = (
+    "import atexit, runpy, sys\n"
+    "atexit.register(lambda: print('HEAVY=' + ','.join(sorted(m for m in "
+    f"{HEAVY!r} if m in sys.modules)), file=sys.stderr))\n"
+    "sys.argv = ['kerasmp'] + sys.argv[1:]\n"
+    "runpy.run_module('kerasmp', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def run_kerasmp(*args, cwd=None, env=None, timeout=300, driver=True):
+    """Runs the tested package's `kerasmp`; returns (rc, out, err, heavy)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), full_env.get("PYTHONPATH")) if p)
+    command = ([sys.executable, "-c", DRIVER] if driver
+               else [sys.executable, "-m", "kerasmp"])
+    proc = subprocess.run(
+        command + [str(a) for a in args], cwd=cwd, env=full_env,
+        capture_output=True, text=True, timeout=timeout)
+    err, heavy = proc.stderr, None
+    match = re.search(r"^HEAVY=(.*)$", err, re.M)
+    if match:
+        heavy = [m for m in match.group(1).split(",") if m]
+        err = err[:match.start()] + err[match.end() + 1:]
+    return proc.returncode, proc.stdout, err, heavy
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    """A tiny .keras model and other inputs, saved once per session."""
+    d = tmp_path_factory.mktemp("cli_files")
+    model = keras.Sequential([
+        keras.Input((4,), name="x"),
+        keras.layers.Dense(3, name="dense", dtype="float32"),
+        keras.layers.Activation("softmax", name="probs", dtype="float32"),
+    ])
+    model.set_weights([np.linspace(-2, 2, 12).reshape(4, 3)
+                       .astype("float32"), np.zeros(3, "float32")])
+    model.save(d / "tiny.keras")
+    np.save(d / "x.npy", np.random.default_rng(0).normal(
+        size=(16, 4)).astype("float32"))
+    (d / "notes.txt").write_text("not a model\n")
+    (d / "model.tflite").write_bytes(b"\x1c\x00\x00\x00TFL3" + bytes(64))
+    np.save(d / "objects.npy", np.array([{"a": 1}], dtype=object),
+            allow_pickle=True)
+    saved = d / "saved"
+    saved.mkdir()
+    (saved / "saved_model.pb").write_bytes(b"")
+    (d / "existing_out").write_text("keep me\n")
+    return d
+
+
+def _listing(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+# ---------------------------------------------------------------- start-up
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--help"], 0),
+    (["doctor", "--help"], 0),
+    (["inspect", "--help"], 0),
+    (["demo", "--help"], 0),
+    (["export", "--help"], 0),
+    (["bench", "--help"], 0),
+    ([], 2),
+    (["nope"], 2),
+    (["export", "m.keras", "out", "--dtype", "float8"], 2),
+    (["export", "m.keras", "out", "--format", "pt"], 2),
+    (["export", "m.keras", "out", "--max-diff", "-1"], 2),
+    (["export", "m.keras", "out", "--keep-float32", "("], 2),
+    (["export", "m.keras"], 2),
+    (["demo", "--epochs", "0"], 2),
+    (["demo", "--seed", "x"], 2),
+    (["demo", "--policy", "float16"], 2),
+    (["bench", "--steps", "1"], 2),
+    (["bench", "--models", "resnet"], 2),
+])
+def test_help_and_argument_errors_import_no_framework(args, code, tmp_path):
+    rc, out, err, heavy = run_kerasmp(*args, cwd=tmp_path)
+    assert rc == code, err
+    assert heavy == [], f"imported {heavy} for {args}"
+    assert "Traceback" not in err
+    if code == 0:
+        assert out.startswith("usage: kerasmp")
+    else:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kerasmp"), err
+        assert "error:" in lines[0]
+    assert _listing(tmp_path) == []
+
+
+def test_help_names_every_export_format_and_the_parity_gate():
+    top = cli.build_parser().format_help()
+    assert "onnx" in top and "tflite" in top and "savedmodel" in top
+    export_help = " ".join(cli._subparsers(cli.build_parser())["export"]
+                           .format_help().split())
+    assert "{keras,savedmodel,tflite,onnx}" in export_help
+    assert "leaves NOTHING at OUT" in export_help
+    assert "RUNS THE FILE'S CODE" in export_help
+
+
+def test_import_kerasmp_is_lazy_and_keeps_its_api():
+    script = (
+        "import sys\n"
+        "import kerasmp\n"
+        "assert not {'keras', 'tensorflow', 'jax'} & set(sys.modules), "
+        "sorted(sys.modules)\n"
+        "assert set(kerasmp.__all__) <= set(dir(kerasmp))\n"
+        "import kerasmp.doctor\n"
+        "assert callable(kerasmp.doctor)  # the function, not the module\n"
+        "import keras\n"
+        "# Loading needs kerasmp's classes registered: a bare import does.\n"
+        "for name in ('kerasmp>Policy', 'kerasmp>LossScaleOptimizer',\n"
+        "             'kerasmp>Float32Override'):\n"
+        "    assert keras.saving.get_registered_object(name) is not None\n"
+        "from kerasmp import Policy, callbacks, export\n"
+        "from kerasmp import *  # noqa\n"
+        "assert kerasmp.Policy is Policy and callbacks.LossScaleMonitor\n"
+        "assert kerasmp.export.export and kerasmp.doctor().backend\n"
+        "for name in kerasmp.__all__:\n"
+        "    getattr(kerasmp, name)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.tensorflow
+def test_inspect_is_quiet_and_prints_the_report(files):
+    env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": None}
+    rc, out, err, heavy = run_kerasmp("inspect", files / "tiny.keras",
+                                      env=env)
+    assert rc == 0, err
+    assert re.search(r"dense\s+Dense\s+float32", out)
+    assert re.search(r"probs\s+Activation\s+float32", out)
+    assert not C_LOG.search(err), err  # no TensorFlow C++/absl start-up logs
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- user errors
+
+
+def _user_error_cases(d):
+    m, out = d / "tiny.keras", d / "new_out"
+    return [
+        (["inspect", d / "notes.txt"], "notes.txt"),
+        (["inspect", d / "missing.keras"], "missing.keras"),
+        (["inspect", d / "saved"], "SavedModel folder"),
+        (["inspect", d / "model.tflite"], "TFLite"),
+        (["export", d / "notes.txt", out], "notes.txt"),
+        (["export", m, d / "existing_out"], "--overwrite"),
+        (["export", m, out, "--format", "keras"], "must end in '.keras'"),
+        (["export", m, d / "a.keras"], "--format savedmodel"),
+        (["export", m, d / "m.onnx", "--format", "tflite"], "'.tflite'"),
+        (["export", m, m, "--format", "keras", "--overwrite"],
+         "is the input model"),
+        (["export", m, d / "no_dir" / "o.keras", "--format", "keras"],
+         "does not exist"),
+        (["export", m, out, "--sample", d / "notes.txt"], "--sample"),
+        (["export", m, out, "--sample", d / "objects.npy"], "--sample"),
+        (["export", m, out, "--sample", d / "none.npy"], "--sample"),
+        (["export", m, d / "o.tflite", "--format", "tflite", "--dtype",
+          "bfloat16"], "--dtype"),
+        (["bench", "--quick", "--json", d / "no_dir" / "x.json"],
+         "--json"),
+        (["bench", "--json", d / "notes.txt"], "--overwrite"),
+        (["bench", "--preset", "gpu", "--models", "mlp"], "--models"),
+        (["bench", "--policies", "float32", "float32"], "--policies"),
+        (["demo", "--out", d / "notes.txt"], "--out"),
+        (["demo", "--out", d / "notes.txt" / "sub"], "--out"),
+    ]
+
+
+def test_user_errors_are_one_line_exit_2_and_write_nothing(files):
+    before = _listing(files)
+    env = {"KERAS_BACKEND": "tensorflow"}  # nothing imports it here
+    for args, expected in _user_error_cases(files):
+        rc, out, err, heavy = run_kerasmp(*args, cwd=files, env=env)
+        shown = " ".join(str(a) for a in args)
+        assert rc == 2, f"{shown}: rc {rc}\n{err}"
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, f"{shown}:\n{err}"
+        assert lines[0].startswith(f"kerasmp {args[0]}: error: "), err
+        assert expected in lines[0], f"{shown}: {lines[0]}"
+        assert heavy == [], f"{shown}: imported {heavy} before checking"
+        assert _listing(files) == before, f"{shown} wrote files"
+    assert (files / "existing_out").read_text() == "keep me\n"
+
+
+def test_debug_shows_the_traceback_of_a_user_error(files):
+    rc, _, err, _ = run_kerasmp("--debug", "inspect", files / "notes.txt")
+    assert rc != 0
+    assert "Traceback" in err and "UsageError" in err
+
+
+# ---------------------------------------------------------------- export
+
+
+def test_failed_parity_gate_leaves_nothing(files, tmp_path, capsys):
+    model, sample = files / "tiny.keras", files / "x.npy"
+    out = tmp_path / "half.keras"
+    rc, stdout, err, _ = run_kerasmp(
+        "export", model, out, "--format", "keras", "--sample", sample,
+        "--max-diff", "1e-9", cwd=tmp_path)
+    assert rc == 1, err
+    assert "parity FAILED" in err and "nothing was written" in err
+    assert "kerasmp export report" in stdout
+    assert _listing(tmp_path) == []  # no artifact, no staging folder
+    # In-process from here (the same code, without another TensorFlow
+    # start-up). An existing OUT stays as it was when --overwrite meets a
+    # failed gate.
+    out.write_text("earlier artifact\n")
+    args = ["export", str(model), str(out), "--format", "keras", "--sample",
+            str(sample), "--overwrite"]
+    assert cli.main(args + ["--max-diff", "1e-9"]) == 1
+    assert "parity FAILED" in capsys.readouterr().err
+    assert out.read_text() == "earlier artifact\n"
+    assert _listing(tmp_path) == ["half.keras"]
+    # A gate the export meets: written, and it loads with plain Keras.
+    assert cli.main(args + ["--json"]) == 0
+    assert '"max_abs_diff"' in capsys.readouterr().out
+    half = keras.saving.load_model(out, compile=False)
+    x = np.load(sample)
+    reference = keras.saving.load_model(model, compile=False).predict(
+        x, verbose=0)
+    np.testing.assert_allclose(half.predict(x, verbose=0), reference,
+                               atol=1e-2)
+    assert _listing(tmp_path) == ["half.keras"]
+
+
+# ---------------------------------------------------------------- untrusted
+
+
+def _evil_keras(folder):
+    """A .keras file whose kerasmp policy names a module next to it."""
+    path = folder / "evil.keras"
+    marker = folder / "PWNED"
+    (folder / "evil_rule.py").write_text(
+        f"open({str(marker)!r}, 'w').write('imported')\n"
+        "class Rule:\n    pass\n")
+    with kerasmp.policy_scope(kerasmp.Policy(
+            "mixed_float16", float32_layers=[keras.layers.Softmax])):
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(3, name="dense"),
+                                  keras.layers.Softmax(name="probs")])
+    model.save(folder / "clean.keras")
+    with zipfile.ZipFile(folder / "clean.keras") as src, \
+            zipfile.ZipFile(path, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename == "config.json":
+                assert b'"keras.src.layers.activations.softmax"' in data
+                data = data.replace(
+                    b'"module": "keras.src.layers.activations.softmax", '
+                    b'"class_name": "Softmax"',
+                    b'"module": "evil_rule", "class_name": "Rule"')
+                assert b"evil_rule" in data
+            dst.writestr(item, data)
+    return path, marker
+
+
+def test_inspect_and_export_refuse_files_that_run_code(tmp_path):
+    evil, marker = _evil_keras(tmp_path)
+    lam = tmp_path / "lambda.keras"
+    keras.Sequential([keras.Input((4,)),
+                      keras.layers.Lambda(lambda x: x * 2, name="times2")]
+                     ).save(lam)
+    env = {"PYTHONPATH": str(tmp_path)}  # the module is importable
+    for args, expected in [
+        (["inspect", evil], "evil_rule"),
+        (["export", evil, tmp_path / "o.keras", "--format", "keras"],
+         "evil_rule"),
+        (["inspect", lam], "times2"),
+        (["export", lam, tmp_path / "o.keras", "--format", "keras"],
+         "times2"),
+    ]:
+        rc, _, err, _ = run_kerasmp(*args, cwd=tmp_path, env=env)
+        lines = err.strip().splitlines()
+        assert rc == 2, err
+        assert len(lines) == 1 and expected in lines[0], err
+        assert "--unsafe" in lines[0]
+        assert not marker.exists(), "the file's module was imported"
+        assert not (tmp_path / "o.keras").exists()
+    # --unsafe is the explicit opt-in: the lambda model then loads.
+    rc, out, err, _ = run_kerasmp("inspect", lam, "--unsafe", cwd=tmp_path)
+    assert rc == 0, err
+    assert re.search(r"times2\s+Lambda", out)
+
+
+def test_unsafe_contents_finds_modules_and_lambdas():
+    config = {"module": "keras", "class_name": "Sequential", "config": {
+        "layers": [
+            {"module": "keras.layers", "class_name": "Dense", "config": {}},
+            {"module": "mypkg.layers", "class_name": "Custom", "config": {}},
+            {"module": "keras.layers", "class_name": "Lambda",
+             "config": {"name": "f", "function": {
+                 "class_name": "__lambda__", "config": {}}}},
+        ],
+        "dtype": {"module": "kerasmp.policy", "class_name": "Policy"}}}
+    assert cli.unsafe_contents(config) == [("module", "mypkg.layers"),
+                                           ("lambda", "f")]
+
+
+# ---------------------------------------------------------------- docs
+
+
+def _readme_block():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("<!-- cli-reference:start -->\n")
+    end = text.index("<!-- cli-reference:end -->")
+    return text[start + len("<!-- cli-reference:start -->\n"):end], text
+
+
+def test_readme_cli_reference_is_generated_from_the_parser():
+    block, text = _readme_block()
+    assert block.strip() == cli.markdown_reference().strip(), (
+        "README.md's command-line reference is stale: regenerate it with "
+        "python -c 'from kerasmp import cli; "
+        "print(cli.markdown_reference())'")
+    parser = cli.build_parser()
+    for name, sub in cli._subparsers(parser).items():
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert f"`{flag}`" in block, (name, flag)
+    for fmt in cli.EXPORT_FORMATS:
+        assert fmt in block
+    # The two commands .ci/run reads stay as they are.
+    assert ("<!-- ci:demo -->\n```bash\npip install -e \".[plot]\" && "
+            "kerasmp demo\n```") in text
+    assert ("<!-- ci:test -->\n```bash\npip install -e \".[dev]\" && "
+            "bash tests/run.sh -q\n```") in text
+
+
+def test_parser_choices_match_the_modules():
+    from kerasmp import bench
+    from kerasmp import demo
+    from kerasmp import export
+
+    assert cli.DEMO_POLICIES == demo.POLICIES
+    assert cli.DEMO_DEFAULT_EPOCHS == demo.DEFAULT_EPOCHS
+    assert cli.DEMO_QUICK_EPOCHS == demo.QUICK_EPOCHS
+    assert cli.EXPORT_FORMATS == export.FORMATS
+    assert cli.EXPORT_DTYPES == export.EXPORT_DTYPES
+    assert cli.BENCH_MODELS == bench.MODELS
+    assert cli.BENCH_POLICIES == bench.POLICIES
+    assert cli.BENCH_DEFAULT_POLICIES == bench.DEFAULT_POLICIES
+    assert cli.BENCH_PRESET_MODELS == {
+        name: tuple(s.name for s in p["models"])
+        for name, p in bench.PRESETS.items()}
+    # Every option the modules' own parsers had is still offered.
+    subs = cli._subparsers(cli.build_parser())
+    for name, module in (("export", export), ("bench", bench)):
+        if not hasattr(module, "add_arguments"):
+            continue
+        theirs = module.add_arguments(argparse.ArgumentParser())
+        ours = {f for a in subs[name]._actions for f in a.option_strings}
+        for action in theirs._actions:
+            assert set(action.option_strings) <= ours, (name, action)
+
+
+# ---------------------------------------------------------------- run.sh
+
+
+@pytest.mark.parametrize("failing, code", [
+    ("tensorflow", 1), ("jax", 1), ("none", 0)])
+def test_run_sh_runs_both_backends(failing, code, tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "calls.txt"
+    (fake / "python").write_text(
+        "#!/bin/sh\n"
+        f"echo \"$KERAS_BACKEND $*\" >> {log}\n"
+        "[ \"$KERAS_BACKEND\" = \"$FAILING\" ] && exit 1\n"
+        "exit 0\n")
+    (fake / "python").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
+               FAILING=failing)
+    proc = subprocess.run(["bash", str(ROOT / "tests" / "run.sh"), "-q"],
+                          env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    assert calls == ["tensorflow -m pytest -q",
+                     "jax -m pytest -m not tensorflow -q"]
