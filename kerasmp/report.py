@@ -5,6 +5,7 @@ import dataclasses
 import keras
 
 from kerasmp import policy as _policy
+from kerasmp._layers import walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +32,25 @@ class DTypeReport:
         return len(self.rows)
 
     def __getitem__(self, path):
-        """Returns the row whose path (or layer name) is `path`."""
+        """Returns the row whose path is `path`.
+
+        A bare layer name is accepted when exactly one row ends with it.
+
+        Raises:
+            KeyError: No row has that path or name, or several rows end
+                with that name (the message lists their paths).
+        """
         for row in self.rows:
-            if row.path == path or row.path.rsplit("/", 1)[-1] == path:
+            if row.path == path:
                 return row
+        matches = [r for r in self.rows if r.path.rsplit("/", 1)[-1] == path]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise KeyError(
+                f"{path!r} is ambiguous: it names {len(matches)} layers "
+                f"({', '.join(r.path for r in matches)}). Use the full path."
+            )
         raise KeyError(path)
 
     def to_dict(self):
@@ -78,7 +94,9 @@ def dtype_report(model):
 
     Args:
         model: A `keras.Model` or `keras.layers.Layer`. Nested layers are
-            listed after their parent, with their path.
+            listed after their parent. Each row's `path` is the layer's path
+            from the model root (`kerasmp._layers.walk`), the same path the
+            other kerasmp reports use, unique within the model.
 
     Returns:
         A `DTypeReport`: one `DTypeRow` per layer with `path`, `layer_class`,
@@ -100,12 +118,12 @@ def dtype_report(model):
         )
     global_policy = _policy.global_policy()
     rows = []
-    for layer in model._flatten_layers(include_self=False):
+    for path, layer in walk(model):
         if isinstance(layer, keras.layers.InputLayer):
             continue
         rows.append(
             DTypeRow(
-                path=layer.path or layer.name,
+                path=path,
                 layer_class=type(layer).__name__,
                 compute_dtype=layer.compute_dtype,
                 variable_dtype=layer.variable_dtype,

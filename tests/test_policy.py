@@ -687,3 +687,38 @@ def test_uninstall_restores_stock_keras():
         kerasmp.install()
     kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     assert keras.layers.Softmax().compute_dtype == "float32"
+
+
+def test_dtype_report_paths_are_full_and_unique():
+    # Layers without weights keep their parent, MHA's softmaxes get their
+    # MHA's path, and same-named layers in different blocks stay apart.
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.mha = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
+            self.dropout = keras.layers.Dropout(0.1, name="ff_dropout")
+
+        def call(self, x):
+            return self.dropout(self.mha(x, x))
+
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    inputs = keras.Input((4, 8))
+    x = Block(name="block_a")(inputs)
+    x = Block(name="block_b")(x)
+    x = keras.layers.MaxPooling1D(name="pool")(x)
+    model = keras.Model(inputs, x)
+    report = kerasmp.dtype_report(model)
+    paths = [r.path for r in report]
+    assert len(paths) == len(set(paths))
+    assert "block_a/ff_dropout" in paths and "block_b/ff_dropout" in paths
+    softmaxes = [r for r in report if r.layer_class == "Softmax"]
+    mha_paths = [r.path for r in report
+                 if r.layer_class == "MultiHeadAttention"]
+    assert len(softmaxes) == len(mha_paths) == 2
+    for row, mha in zip(softmaxes, mha_paths):
+        assert row.path.startswith(mha + "/")
+    assert all(r.compute_dtype == "float32" for r in softmaxes)
+    assert report["pool"].layer_class == "MaxPooling1D"
+    with pytest.raises(KeyError, match="ambiguous"):
+        report["ff_dropout"]
+    assert report["block_b/ff_dropout"].layer_class == "Dropout"
