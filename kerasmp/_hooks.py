@@ -130,8 +130,12 @@ def needs_loss_scaling(model):
 _calls = threading.local()  # depth of nested Layer.__call__, float32 outputs
 
 
-def _float32_output_target(layer):
-    """The dtype an overridden layer's outputs are cast to, or None."""
+def handoff_dtype(layer):
+    """The dtype an overridden layer's float outputs are cast to, or None.
+
+    None when no kerasmp rule keeps `layer` in float32: its outputs then
+    leave it as computed.
+    """
     stored = layer.__dict__.get("_dtype_policy")
     if not isinstance(stored, _policy_cls):
         return None
@@ -183,7 +187,7 @@ def _layer_call(self, *args, **kwargs):
         _calls.depth = depth
     originals = _calls.originals
     if depth > 0:
-        target = _float32_output_target(self)
+        target = handoff_dtype(self)
         if target is not None:
             outputs = _cast_down(outputs, target, originals)
     elif originals:

@@ -46,6 +46,7 @@ import keras
 import numpy as np
 
 from kerasmp.debug import record_calls
+from kerasmp.policy import handoff_dtype
 
 MODELS = ("mlp", "cnn", "transformer")
 POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16")
@@ -291,6 +292,10 @@ def activation_bytes(model, x):
                 continue
             dtype = keras.backend.standardize_dtype(dtype)
             if "float" in dtype:
+                # What leaves the layer: an overridden layer computes in
+                # float32 and hands the compute dtype on.
+                if layer is not None:
+                    dtype = handoff_dtype(layer) or dtype
                 total[0] += int(np.prod(t.shape)) * np.dtype(
                     _numpy_dtype(dtype)).itemsize
 

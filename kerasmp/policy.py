@@ -402,6 +402,26 @@ def stored_policy(layer):
     return _hooks.stored_policy(layer)
 
 
+def handoff_dtype(layer):
+    """The dtype in which `layer` hands its float outputs on inside a model.
+
+    A layer that a kerasmp rule keeps in float32 computes in float32 but
+    passes its outputs to the layers after it in the governing policy's
+    compute dtype (see `Policy`); every other layer passes them on as
+    computed, and this function returns None.
+
+    Args:
+        layer: A `keras.layers.Layer`.
+
+    Example:
+
+    >>> kerasmp.set_global_policy("mixed_float16")
+    >>> kerasmp.policy.handoff_dtype(keras.layers.LayerNormalization())
+    'float16'
+    """
+    return _hooks.handoff_dtype(layer)
+
+
 def float32_rule(layer, policy=None):
     """Returns the kerasmp rule that computes `layer` in float32, or None.
 
