@@ -389,7 +389,9 @@ class StepTap:
             # A read at this point of the program (a bare variable would be
             # read whenever the function returns). Automatic control
             # dependencies order it against the step's writes.
-            return tf.identity(variable.value)
+            if isinstance(variable, keras.Variable):
+                variable = variable.value
+            return tf.identity(variable)
 
         def train_step(data):
             # Only variables that exist now: on the first trace the step may

@@ -668,7 +668,7 @@ def _diagnosis(event, monitor, fallback_failed):
             text += (
                 " The forward pass overflows (the loss or a layer output is "
                 "not finite), so every gradient is non-finite and no loss "
-                "scale can help." + where
+                "scale can help." + where + grads
             )
             if layer and not event.get("fallback_layers"):
                 text += (
