@@ -377,6 +377,9 @@ def test_stuck_stops_within_patience_and_names_the_layer():
     assert event["action"] == "stop"
     assert event["consecutive_skips"] == 10
     assert "stuck" in event["message"] and "naive_softmax" in event["message"]
+    # The stuck event carries the run's facts: the forward pass overflowed.
+    assert event["loss_finite"] is False and event["overflow_in"] == "forward"
+    assert "gradients still overflow" not in event["message"]
     for key in ("step", "epoch", "kind", "loss_scale", "layer"):
         assert key in event
     assert all(e["step"] >= 20 for e in monitor.events)
