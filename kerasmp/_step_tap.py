@@ -23,8 +23,9 @@ Keras returns only the last step's logs, so:
   single step; the tap runs that loop itself (the jitted step is built with
   `steps_per_execution=1`) and keeps every step's record and batch.
 
-Skipped steps leave the metrics alone: on a skipped step the wrapped step
-puts every metric variable back to its value before the step and recomputes
+Skipped steps leave every variable alone: on a skipped step the wrapped step
+puts the model's non-trainable variables (batch-norm moving statistics) and
+every metric variable back to their values before the step, and recomputes
 the logged metrics, so a step whose forward pass overflowed does not turn the
 epoch's loss into NaN (and trip `TerminateOnNaN`) after kerasmp skipped it.
 
@@ -398,6 +399,10 @@ class StepTap:
             # create some (that trace only serves to create them).
             watched = _metric_variables(model)
             before = [now(v) for v in watched]
+            frozen = list(model.non_trainable_variables)
+            if optimizer is None:
+                frozen = []
+            frozen_before = [now(v) for v in frozen]
             if optimizer is not None and not own_counters:
                 iterations_before = now(optimizer.iterations)
             logs = original(data)
@@ -446,6 +451,10 @@ class StepTap:
                     else:
                         total = consecutive = tf.constant(-1, "int64")
                 scale = tf.cast(now(scale_variable(optimizer)), "float32")
+                # A skipped step leaves every variable as it was: what the
+                # forward pass assigned too (batch-norm moving statistics).
+                for v, b in zip(frozen, frozen_before):
+                    v.assign(tf.where(skipped, b, now(v)))
                 if watched:
                     # A skipped step leaves the metrics as they were.
                     for v, b, a in zip(watched, before, after):
@@ -529,6 +538,16 @@ class StepTap:
                     skipped = ops.equal(new_values[i], old_values[i])
                     consecutive = total = ops.array(-1)
                 scale = ops.cast(new(scale_variable(optimizer)), "float32")
+                # A skipped step leaves every variable as it was: what the
+                # forward pass assigned too (batch-norm moving statistics).
+                new_state = (
+                    new_state[0],
+                    [
+                        ops.where(skipped, o, n)
+                        for o, n in zip(state[1], new_state[1])
+                    ],
+                    *new_state[2:],
+                )
                 if watched:
                     # A skipped step leaves the metrics as they were.
                     fixed = [

@@ -438,3 +438,46 @@ def test_step_wrapper_removed_when_fit_raises():
     assert set(history.history) == {"loss"}
     assert "train_step" not in model.__dict__
     assert "finalize_variable_values" not in model.optimizer.__dict__
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_skipped_step_leaves_batch_norm_statistics(jit):
+    """Batch 2 of 5 overflows in the forward pass: with a monitor the skipped
+    step leaves the moving statistics as they were, so they equal those of a
+    fit on the same data without that batch (and stay finite)."""
+    x, y = _data(5)
+    bad = _overflow(x, [2])
+
+    def fit(x, y, callbacks):
+        set_global_policy(Policy("mixed_float16"))
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8, name="proj"),
+                keras.layers.BatchNormalization(name="bn"),
+                keras.layers.Dense(1, name="head"),
+            ]
+        )
+        model.compile(
+            optimizer=LossScaleOptimizer(
+                keras.optimizers.SGD(0.01), initial_scale=8.0
+            ),
+            loss="mse",
+            jit_compile=jit,
+        )
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        bn = model.get_layer("bn")
+        return [
+            ops.convert_to_numpy(v)
+            for v in (bn.moving_mean, bn.moving_variance)
+        ], model
+
+    keep = np.r_[0 : 2 * BATCH, 3 * BATCH : 5 * BATCH]
+    reference, _ = fit(x[keep], y[keep], [])
+    monitored, model = fit(bad, y, [NonFiniteMonitor(locate=False)])
+    assert model.optimizer.skipped_steps == 1
+    for got, want in zip(monitored, reference):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
