@@ -707,7 +707,10 @@ class StepTap:
             raw = [table[(position - count + i) % k] for i in range(count)]
         else:
             values = pending[1]
-            raw = list(read(ops.stack(values))) if values else []
+            if len(values) == 1:
+                raw = [read(values[0])]
+            else:
+                raw = list(read(ops.stack(values))) if values else []
         rows = []
         for values in raw:
             row = dict(zip(ROW_FIELDS, (float(v) for v in values)))
