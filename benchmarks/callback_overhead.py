@@ -145,6 +145,8 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
     logs = {"loss": 2.3, "loss_scale": 32768.0, "skipped_steps": 0.0}
     step_logs = {
         "loss": keras.ops.convert_to_tensor(2.3),
+        "loss_scale": keras.ops.convert_to_tensor(32768.0),
+        "skipped_steps": keras.ops.convert_to_tensor(0),
         _step_tap._BATCH_KEY: batch,
         # The step's record: not skipped, counters 0, scale 2**15, finite.
         _step_tap._ROW_KEY: keras.ops.convert_to_tensor(

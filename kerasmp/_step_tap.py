@@ -49,6 +49,7 @@ soon as it is called with an iterator of another fit, before it runs a step.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 SCALE_KEY = "loss_scale"
@@ -99,6 +100,8 @@ def has_own_counters(optimizer):
 
 def read(value):
     """A variable's or tensor's value as a NumPy array (one transfer)."""
+    if not isinstance(value, keras.Variable) and hasattr(value, "__array__"):
+        return np.asarray(value)  # eager tensors, JAX arrays: the fast way
     return ops.convert_to_numpy(ops.convert_to_tensor(value))
 
 
@@ -674,6 +677,7 @@ class StepTap:
         if (
             self.publish
             and self.optimizer is not None
+            and not self.own_counters
             and SKIPPED_KEY not in logs
             and self._pending is not None
             and self._pending[0] == "list"
