@@ -19,8 +19,10 @@ other processes on a shared machine), and the host-side Python cost of the
 monitors per step, timed alone. Target: monitors/plain <= 1.02.
 
 What the monitors cost per step: two extra scalars in the step's logs
-(converted with the loss), a reference to the batch (kept on the device for
-`locate`), a few Python comparisons in
+(converted with the loss), a five-number record of the step (one transfer),
+a read and conditional write-back of the metric and non-trainable variables
+(so a skipped step leaves them as they were), a reference to the batch (kept
+on the device for `locate`), a few Python comparisons in
 `NonFiniteMonitor.on_train_batch_end`, and synchronous rather than
 thread-pooled dispatch of batch callbacks (any callback with
 `on_train_batch_end` does that). Nothing is located unless an event happens.
@@ -120,10 +122,11 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
     """Seconds of Python the monitors add per step, measured alone.
 
     Replays, on the host only, what the monitors do after each step: the
-    train function's wrapper popping the batch reference from the step's
-    logs, and both monitors' `on_train_batch_end` on logs holding the same
-    values Keras would pass (the step itself is not run). Wall-clock noise
-    from other processes barely touches a loop this short.
+    train function's wrapper popping the batch reference and the step's
+    record from the step's logs, and both monitors' `on_train_batch_end` on
+    logs holding the same values Keras would pass (the step itself is not
+    run). Wall-clock noise from other processes barely touches a loop this
+    short.
     """
     from kerasmp import _step_tap
 
@@ -142,7 +145,13 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
     logs = {"loss": 2.3, "loss_scale": 32768.0, "skipped_steps": 0.0}
     step_logs = {
         "loss": keras.ops.convert_to_tensor(2.3),
+        "loss_scale": keras.ops.convert_to_tensor(32768.0),
+        "skipped_steps": keras.ops.convert_to_tensor(0),
         _step_tap._BATCH_KEY: batch,
+        # The step's record: not skipped, counters 0, scale 2**15, finite.
+        _step_tap._ROW_KEY: keras.ops.convert_to_tensor(
+            np.array([0.0, 0.0, 0.0, 32768.0, 0.0], "float32")
+        ),
     }
     start = time.perf_counter()
     for i in range(repeats):

@@ -11,11 +11,13 @@
 
 import json
 import math
+import numbers
 import os
 import threading
 import warnings
 
 import keras
+import numpy as np
 from keras import ops
 
 from kerasmp import _step_tap
@@ -106,6 +108,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = self._next_step
         self._epoch_batches = 0
+        if self._tap is not None:
+            self._tap.new_epoch()
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._tap is not None:
@@ -205,8 +209,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 f"action={action!r}."
             )
         if (
-            isinstance(patience, bool)
-            or not isinstance(patience, int)
+            isinstance(patience, (bool, np.bool_))
+            or not isinstance(patience, numbers.Integral)
             or patience < 1
         ):
             raise ValueError(
@@ -233,7 +237,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                     f"({e.strerror or e})."
                 ) from None
         self.action = action
-        self.patience = patience
+        self.patience = int(patience)
         self.log_file = log_file
         self.locate = locate
         self.events = []
@@ -244,6 +248,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self.last_report = None
         self._tap = None
         self._next_step = 0
+        self._log_failed = False
 
     # ------------------------------------------------------------ callbacks
 
@@ -256,7 +261,9 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self._scaled = self._tap is not None and _step_tap.has_loss_scale(
             optimizer
         )
-        self._consecutive = 0
+        self._last_consecutive = 0
+        self._base = 0
+        self._run = None
         self._stuck = False
         self._weights_bad = False
         self._calibrating = False
@@ -265,6 +272,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self._batch_begin = 0
         self._scale = None
         self._skipped = 0
+        self._reset_to = None
         if self._scaled:
             self._scale = self._tap.initial_scale
             if self.initial_scale is None:
@@ -280,6 +288,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._loss_ok = True
+        if self._tap is not None:
+            self._tap.new_epoch()
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_begin = batch
@@ -288,40 +298,36 @@ class NonFiniteMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         logs = logs or {}
-        steps = max(1, batch - self._batch_begin + 1)
-        step = self._next_step + steps - 1
-        self._next_step += steps
         loss = logs.get("loss")
-        loss_went_bad = (
+        rows = self._tap.rows() if self._tap is not None else []
+        if not rows:  # no per-step records: a step count from the batches
+            self._next_step += max(1, batch - self._batch_begin + 1)
+        for i, row in enumerate(rows):
+            step = self._next_step
+            self._next_step += 1
+            # TensorFlow keeps the batch of an execution's last step only:
+            # it stands for the steps of the run of skips it ends.
+            trailing = all(r["skipped"] for r in rows[i:])
+            self._on_row(
+                step,
+                self._batch_begin + i,
+                row,
+                loss,
+                offsets=(len(rows) - 1 - i, 0 if trailing else None),
+            )
+        if (
             self._loss_ok
             and isinstance(loss, (int, float))
             and not math.isfinite(loss)
-        )
-        if loss_went_bad:
+        ):
+            # A non-finite loss no record flagged (a custom train step).
             self._loss_ok = False
-        if self._scaled:
-            scale, skipped = self._tap.values(logs)
-            if scale is not None:
-                scale_before, self._scale = self._scale, scale
-                new_skips = 0
-                if skipped is not None:
-                    new_skips = skipped - self._skipped
-                    self._skipped = skipped
-                self.trace.append((step, scale, self._skipped))
-                if new_skips > 0:
-                    self._on_skip(
-                        step,
-                        batch,
-                        new_skips,
-                        steps,
-                        scale_before,
-                        loss,
-                        loss_went_bad,
-                    )
-                    return
-                self._end_skip_run()
-        if loss_went_bad:
-            self._on_nonfinite_loss(step, batch, loss)
+            self._on_nonfinite_loss(
+                self._next_step - 1, batch, loss, offsets=(0, None)
+            )
+        if self._reset_to is not None:
+            self._reset_scale(self._reset_to)
+            self._reset_to = None
 
     def on_epoch_end(self, epoch, logs=None):
         if self._weights_bad:
@@ -334,7 +340,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
             "nonfinite_weights", self._next_step - 1, None, self._scale, None
         )
         event["variable"] = variable
-        self._maybe_locate(event, self._scale, keep_variable=True)
+        self._maybe_locate(event, self._scale, (0, None), keep_variable=True)
         self._finish(event, actionable=True)
 
     def on_train_end(self, logs=None):
@@ -344,47 +350,102 @@ class NonFiniteMonitor(keras.callbacks.Callback):
 
     # -------------------------------------------------------------- events
 
-    def _on_skip(
-        self, step, batch, new_skips, steps, scale_before, loss, loss_went_bad
-    ):
-        if new_skips >= steps:
-            self._consecutive += new_skips
-        else:  # some steps of a multi-step call were applied
-            self._consecutive = new_skips
-        first_in_run = self._consecutive == new_skips
-        if loss_went_bad:
+    def _on_row(self, step, batch, row, loss, offsets):
+        scale_before = self._scale
+        if self._scaled:
+            self._scale = row["scale"]
+            self._skipped = row["total"]
+            self.trace.append((step, self._scale, self._skipped))
+        if row["skipped"]:
+            self._on_skip(step, batch, row, scale_before, loss, offsets)
+            return
+        self._end_skip_run()
+        if row["forward"] and self._loss_ok:
+            # The update went through with a non-finite loss.
+            self._loss_ok = False
+            self._on_nonfinite_loss(step, batch, loss, offsets)
+
+    def _on_skip(self, step, batch, row, scale_before, loss, offsets):
+        consecutive = row["consecutive"]
+        if consecutive <= self._last_consecutive:
+            self._base = 0  # a new run of skips (the optimizer's count)
+        self._last_consecutive = consecutive
+        run_length = max(1, consecutive - self._base)
+        first_in_run = run_length == 1 or self._run is None
+        if first_in_run:
+            self._run = {
+                "forward": False,
+                "layer": None,
+                "variable": None,
+                "all_nonfinite": None,
+                "start_scale": scale_before,
+            }
+        forward = row["forward"]
+        if forward:
             # The forward pass overflowed: no loss scale can fix that.
             self._calibrating = False
         at_min = self._dynamic and scale_before <= self._min_scale
         if self._calibrating and not at_min:
             kind = "calibration"
-        elif at_min or self._consecutive >= self.patience:
+        elif at_min or run_length >= self.patience:
             kind = "stuck"
         else:
             kind = "overflow"
         event = self._event(kind, step, batch, scale_before, loss)
-        event["consecutive_skips"] = self._consecutive
+        event["consecutive_skips"] = run_length
         event["at_min_scale"] = at_min
-        if loss_went_bad:
-            event["loss_finite"] = False
+        event["loss_finite"] = not forward
         actionable = kind == "stuck" and not self._stuck
         if kind == "stuck":
             self._stuck = True
         if actionable or (kind == "overflow" and first_in_run):
-            self._maybe_locate(event, scale_before)
-        if new_skips < steps:
-            self._end_skip_run(consecutive=new_skips)
+            self._maybe_locate(event, scale_before, offsets)
+        self._describe(event, merge_run=kind == "stuck")
         self._finish(event, actionable=actionable)
 
-    def _end_skip_run(self, consecutive=0):
-        self._calibrating = False
-        self._consecutive = consecutive
-        if consecutive == 0:
-            self._stuck = False
+    def _describe(self, event, merge_run=False):
+        """Sets where the overflow happened (forward or backward pass) and
+        whether every gradient was non-finite; keeps the run's facts."""
+        run = self._run
+        forward = event.get("loss_finite") is False or bool(event.get("layer"))
+        all_bad = event.get("all_gradients_nonfinite")
+        if all_bad is None and event.get("loss_finite") is False:
+            all_bad = True  # d(non-finite loss)/dw is non-finite for every w
+        if run is not None:
+            run["forward"] = run["forward"] or forward
+            if run["layer"] is None and event.get("layer"):
+                run["layer"] = event["layer"]
+            if run["variable"] is None and event.get("variable"):
+                run["variable"] = event["variable"]
+            if run["all_nonfinite"] is None:
+                run["all_nonfinite"] = all_bad
+            if merge_run:  # the stuck event says what the run showed
+                forward = run["forward"]
+                if run["forward"]:
+                    event["loss_finite"] = False
+                if not event.get("layer") and run["layer"]:
+                    event["layer"] = run["layer"]
+                if not event.get("variable") and run["variable"]:
+                    event["variable"] = run["variable"]
+                if all_bad is None:
+                    all_bad = run["all_nonfinite"]
+        event["overflow_in"] = "forward" if forward else "backward"
+        event["all_gradients_nonfinite"] = all_bad
+        if all_bad:
+            event["variable"] = None
 
-    def _on_nonfinite_loss(self, step, batch, loss):
+    def _end_skip_run(self):
+        self._calibrating = False
+        self._last_consecutive = 0
+        self._base = 0
+        self._run = None
+        self._stuck = False
+
+    def _on_nonfinite_loss(self, step, batch, loss, offsets):
         event = self._event("nonfinite_loss", step, batch, self._scale, loss)
-        self._maybe_locate(event, self._scale or 1.0)
+        event["loss_finite"] = False
+        self._maybe_locate(event, self._scale or 1.0, offsets)
+        event["overflow_in"] = "forward"
         variable = (
             None if self._weights_bad else _first_nonfinite_weight(self.model)
         )
@@ -414,10 +475,16 @@ class NonFiniteMonitor(keras.callbacks.Callback):
             "action": None,
         }
 
-    def _maybe_locate(self, event, scale, keep_variable=False):
+    def _maybe_locate(self, event, scale, offsets, keep_variable=False):
         if not self.locate:
             return
-        batch = self._tap.batch() if self._tap is not None else None
+        batch = None
+        if self._tap is not None:
+            for offset in offsets:
+                if offset is not None:
+                    batch = self._tap.batch(offset)
+                    if batch is not None:
+                        break
         if batch is None:
             event["locate_error"] = "the offending batch is not available"
             return
@@ -439,6 +506,13 @@ class NonFiniteMonitor(keras.callbacks.Callback):
             return
         self.last_report = report
         event["layer"] = report.layer
+        grads = [
+            r.grad_finite for r in report.rows if r.grad_finite is not None
+        ]
+        if grads:
+            event["all_gradients_nonfinite"] = not any(grads)
+        if report.loss is not None and not math.isfinite(report.loss):
+            event["loss_finite"] = False
         if not keep_variable or event.get("variable") is None:
             event["variable"] = report.variable
 
@@ -457,7 +531,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self._write(event)
         if not actionable:
             return
-        if event["action"] in ("warn", "stop"):
+        if event["action"] in ("warn", "stop") or event.get("fallback_layers"):
             warnings.warn(event["message"], NonFiniteWarning, stacklevel=3)
         if event["action"] == "stop":
             self.model.stop_training = True
@@ -491,16 +565,58 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self._tap.prepare()
         self.fallbacks.append(path)
         event["fallback_layers"] = [path]
+        if self._scaled and self._dynamic:
+            # The run of skips drove the scale down for a reason now gone:
+            # restart from the scale before the run (growth counter reset).
+            start = (self._run or {}).get("start_scale") or self._scale
+            event["loss_scale_reset_to"] = float(start)
+            self._reset_to = float(start)
         # A new start for the layer: forget the run of skips.
-        self._consecutive = 0
+        self._base = self._last_consecutive
         self._stuck = False
+        self._run = None
         return None
 
-    def _write(self, event):
-        if self.log_file is None:
+    def _reset_scale(self, value):
+        """Puts the optimizer's scale to `value` and restarts its growth
+        counter (and kerasmp's hysteresis budget)."""
+        optimizer = self.model.optimizer
+        _sync_jax_state(self.model)
+        try:
+            optimizer.dynamic_scale.assign(value)
+            optimizer.step_counter.assign(0)
+            budget = getattr(optimizer, "hysteresis_budget", None)
+            if isinstance(budget, keras.Variable):
+                budget.assign(optimizer.hysteresis)
+        except Exception as e:  # never break training over this
+            warnings.warn(
+                f"kerasmp.NonFiniteMonitor: could not reset the loss scale "
+                f"after the fallback ({type(e).__name__}: {e}).",
+                NonFiniteWarning,
+                stacklevel=3,
+            )
             return
-        with open(self.log_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(_jsonable(event)) + "\n")
+        self._scale = value
+        # Skips before the next applied update back the scale off from there:
+        # calibration again, not trouble.
+        self._calibrating = True
+
+    def _write(self, event):
+        if self.log_file is None or self._log_failed:
+            return
+        try:
+            with open(self.log_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(_jsonable(event)) + "\n")
+        except OSError as e:
+            # Losing the log must not lose the run: events stay in memory.
+            self._log_failed = True
+            warnings.warn(
+                f"kerasmp.NonFiniteMonitor: cannot write to log_file="
+                f"{self.log_file!r} ({e.strerror or e}); events are kept in "
+                "`monitor.events` only from now on.",
+                NonFiniteWarning,
+                stacklevel=3,
+            )
 
 
 def _diagnosis(event, monitor, fallback_failed):
@@ -508,11 +624,14 @@ def _diagnosis(event, monitor, fallback_failed):
     step = event["step"]
     scale = event["loss_scale"]
     nxt = event["next_loss_scale"]
-    where = ""
-    if event.get("layer"):
-        where += f" First non-finite layer output: {event['layer']!r}."
-    if event.get("variable") and kind != "nonfinite_weights":
-        where += f" First non-finite gradient: {event['variable']!r}."
+    forward = event.get("overflow_in") == "forward"
+    layer = event.get("layer")
+    grads = ""
+    if event.get("all_gradients_nonfinite"):
+        grads = " Every gradient is non-finite."
+    elif event.get("variable") and kind != "nonfinite_weights":
+        grads = f" First non-finite gradient: {event['variable']!r}."
+    where = f" First non-finite layer output: {layer!r}." if layer else ""
     if kind == "calibration":
         text = (
             f"step {step}: gradients overflowed at loss scale {scale:g}; the "
@@ -521,40 +640,63 @@ def _diagnosis(event, monitor, fallback_failed):
             "in float16 (calibration)."
         )
     elif kind == "overflow":
-        text = (
-            f"step {step}: non-finite gradients at loss scale {scale:g}; the "
-            f"step was skipped (weights untouched), scale now {nxt:g}."
-        )
-        if event.get("loss_finite") is False:
-            text += (
-                " The loss itself was non-finite: the forward pass "
-                "overflowed, which loss scaling cannot fix."
+        if forward:
+            text = (
+                f"step {step}: the forward pass overflowed (the loss or a "
+                "layer output is not finite); the step was skipped (weights "
+                f"untouched), scale now {nxt:g}. Loss scaling cannot fix a "
+                "forward overflow; isolated ones come from unusual batches."
             )
         else:
-            text += " Isolated skips are normal after the scale grows."
-        text += where
+            text = (
+                f"step {step}: non-finite gradients at loss scale {scale:g} "
+                "(the loss was finite: the backward pass overflowed); the "
+                f"step was skipped (weights untouched), scale now {nxt:g}. "
+                "Isolated skips are normal after the scale grows."
+            )
+        text += where + grads
     elif kind == "stuck":
         if event.get("at_min_scale"):
-            why = (
-                f"the loss scale is at its minimum ({monitor._min_scale:g}) "
-                "and the gradients still overflow"
-            )
+            why = f"the loss scale is at its minimum ({monitor._min_scale:g})"
         else:
             why = (
                 f"{event.get('consecutive_skips')} consecutive steps were "
                 f"skipped (patience {monitor.patience})"
             )
-        text = f"step {step}: training is stuck: {why}." + where
-        if event.get("layer") and not event.get("fallback_layers"):
+        text = f"step {step}: training is stuck: {why}."
+        if forward:
             text += (
-                f" Compute {event['layer']!r} in float32 (e.g. "
-                "kerasmp.Policy(float32_layers=...)) or use "
-                "NonFiniteMonitor(action='fallback')."
+                " The forward pass overflows (the loss or a layer output is "
+                "not finite), so every gradient is non-finite and no loss "
+                "scale can help." + where + grads
             )
+            if layer and not event.get("fallback_layers"):
+                text += (
+                    f" Compute {layer!r} in float32 (e.g. kerasmp.Policy("
+                    "float32_layers=...)) or use NonFiniteMonitor("
+                    "action='fallback'); check the range of its inputs."
+                )
+            elif not layer:
+                text += (
+                    " Check the inputs for inf/NaN or values too large for "
+                    "float16, or compute the first layers in float32."
+                )
+        else:
+            text += (
+                f" The loss is finite: the backward pass overflows float16 "
+                f"at loss scale {scale:g}." + where + grads
+            )
+            if not event.get("fallback_layers"):
+                text += (
+                    " Compute the layers near that gradient in float32 "
+                    "(kerasmp.Policy(float32_layers=...)), keep activations "
+                    "smaller (normalization, clipping), or lower the "
+                    "optimizer's min_scale."
+                )
     elif kind == "nonfinite_loss":
         text = (
             f"step {step}: the loss is {event['loss']} and the update was "
-            "applied (no loss-scale skip)." + where
+            "applied (no loss-scale skip)." + where + grads
         )
     else:
         text = (
@@ -564,8 +706,15 @@ def _diagnosis(event, monitor, fallback_failed):
     if event.get("fallback_layers"):
         text += (
             f" Fallback: {', '.join(event['fallback_layers'])} now computes "
-            "in float32; training continues."
+            "in float32; training continues"
         )
+        if event.get("loss_scale_reset_to") is not None:
+            text += (
+                " with the loss scale reset to "
+                f"{event['loss_scale_reset_to']:g} (its value before the "
+                "skipped steps)"
+            )
+        text += "."
     elif fallback_failed:
         text += f" Fallback impossible ({fallback_failed}): stopping."
     return "kerasmp.NonFiniteMonitor: " + text

@@ -377,6 +377,9 @@ def test_stuck_stops_within_patience_and_names_the_layer():
     assert event["action"] == "stop"
     assert event["consecutive_skips"] == 10
     assert "stuck" in event["message"] and "naive_softmax" in event["message"]
+    # The stuck event carries the run's facts: the forward pass overflowed.
+    assert event["loss_finite"] is False and event["overflow_in"] == "forward"
+    assert "gradients still overflow" not in event["message"]
     for key in ("step", "epoch", "kind", "loss_scale", "layer"):
         assert key in event
     assert all(e["step"] >= 20 for e in monitor.events)
@@ -569,7 +572,10 @@ def test_log_file_is_json_lines(tmp_path):
         )
     lines = path.read_text().splitlines()
     assert len(lines) == len(monitor.events) == 4
-    records = [json.loads(line) for line in lines]  # strict JSON
+    def strict(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    records = [json.loads(line, parse_constant=strict) for line in lines]
     assert [r["kind"] for r in records] == [
         "overflow",
         "overflow",
@@ -578,7 +584,11 @@ def test_log_file_is_json_lines(tmp_path):
     ]
     assert [r["step"] for r in records] == [20, 21, 22, 23]
     assert records[2]["action"] == "warn" and records[3]["action"] is None
-    assert records[0]["loss"] == "nan"  # non-finite numbers as strings
+    # The forward pass overflowed on the skipped steps; the logged loss
+    # averages the applied steps only, so it stays finite.
+    assert all(r["loss_finite"] is False for r in records)
+    assert all(r["overflow_in"] == "forward" for r in records)
+    assert all(math.isfinite(r["loss"]) for r in records)
     # Appends: a second monitor on the same file adds lines.
     NonFiniteMonitor(log_file=str(path))
     assert len(path.read_text().splitlines()) == 4
