@@ -31,6 +31,8 @@ class _DefaultScale(float):
 
 
 _DEFAULT_INITIAL_SCALE = _DefaultScale(2.0**15)
+_DEFAULT_MIN_SCALE = 1.0
+_DEFAULT_MAX_SCALE = 2.0**24
 
 # What the float32 scale variable can hold, and the int32 counters.
 _F32 = np.finfo(np.float32)
@@ -122,8 +124,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         backoff_factor=0.5,
         hysteresis=1,
         consecutive_hysteresis=False,
-        min_scale=1.0,
-        max_scale=2.0**24,
+        min_scale=_DEFAULT_MIN_SCALE,
+        max_scale=_DEFAULT_MAX_SCALE,
         dynamic=True,
         name=None,
         **kwargs,
@@ -508,7 +510,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def from_config(cls, config, custom_objects=None):
         # Accepts configs written by stock Keras's LossScaleOptimizer too:
         # theirs is a subset of ours. Does not modify `config`.
-        return super().from_config(dict(config), custom_objects=custom_objects)
+        config = dict(config)
+        # Stock Keras has no bounds, so its `initial_scale` may lie outside
+        # our default ones: widen a default bound that the config does not
+        # set just enough to hold it (an explicit bound is kept, and raises).
+        initial = config.get("initial_scale")
+        if isinstance(initial, numbers.Real) and not isinstance(initial, bool):
+            if "min_scale" not in config and initial < _DEFAULT_MIN_SCALE:
+                config["min_scale"] = initial
+            if "max_scale" not in config and initial > _DEFAULT_MAX_SCALE:
+                config["max_scale"] = initial
+        return super().from_config(config, custom_objects=custom_objects)
 
 
 def _not(a):

@@ -512,6 +512,23 @@ def test_from_config_accepts_stock_configs():
     LossScaleOptimizer.from_config(legacy)
 
 
+@pytest.mark.parametrize("initial", [2.0**30, 0.25, 2.0**-100])
+def test_from_config_accepts_stock_configs_outside_the_default_bounds(initial):
+    # Stock Keras has no floor or ceiling: its config may start above our
+    # default max_scale (2**24) or below our default min_scale (1). The
+    # default bound widens to hold it; the scale starts where stock's did.
+    stock = keras.optimizers.LossScaleOptimizer(_sgd(), initial_scale=initial)
+    opt = LossScaleOptimizer.from_config(stock.get_config())
+    assert opt.initial_scale == initial
+    assert opt.min_scale <= initial <= opt.max_scale
+    stepper = Stepper(opt)
+    assert stepper.step(False)["scale"] == max(initial / 2, opt.min_scale)
+    # An explicit bound in the config is the user's: still enforced.
+    config = dict(stock.get_config(), min_scale=1.0, max_scale=2.0**24)
+    with pytest.raises(ValueError, match="`initial_scale`"):
+        LossScaleOptimizer.from_config(config)
+
+
 # -------------------------------------------------------------------- rules
 
 
