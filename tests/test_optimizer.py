@@ -7,6 +7,7 @@ implementation: hand-computed trajectories, a transcription of PyTorch's
 """
 
 import inspect
+import json
 import math
 
 import keras
@@ -18,6 +19,11 @@ from kerasmp.optimizer import LossScaleOptimizer
 
 BACKEND = keras.backend.backend()
 F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal, 2**-126
+# The largest and smallest values the constructor accepts, as its messages
+# print them: shortest decimals that float32 reads back as its bounds.
+LARGEST = 3.4028235e38  # float32 max; just above F32_MAX in float64
+SMALLEST = 1.1754944e-38  # float32 tiny
 
 
 # --------------------------------------------------------------- references
@@ -191,33 +197,74 @@ def test_is_a_stock_loss_scale_optimizer_and_compile_keeps_it():
         ({"growth_factor": 1.0}, "growth_factor", "> 1"),
         ({"growth_factor": 0.5}, "growth_factor", "> 1"),
         ({"growth_factor": math.inf}, "growth_factor", "> 1"),
+        ({"growth_factor": "2"}, "growth_factor", "a number > 1"),
+        # Above 1 and finite in float64, not in float32 (the scale's dtype):
+        # the scale would never grow.
+        ({"growth_factor": 1.00000001}, "growth_factor", "1.0000001 to"),
+        ({"growth_factor": 1e39}, "growth_factor", "to 3.4028235e+38"),
         ({"backoff_factor": 0.0}, "backoff_factor", "(0, 1)"),
         ({"backoff_factor": 1.0}, "backoff_factor", "(0, 1)"),
         ({"backoff_factor": -0.5}, "backoff_factor", "(0, 1)"),
-        ({"dynamic_growth_steps": 0}, "dynamic_growth_steps", ">= 1"),
+        # Rounds to 1 in float32: never backs off, every step skipped.
+        ({"backoff_factor": 0.99999999}, "backoff_factor", "0.99999994"),
+        ({"backoff_factor": 1e-40}, "backoff_factor", "1.1754944e-38 to"),
+        ({"dynamic_growth_steps": 0}, "dynamic_growth_steps", "from 1 to"),
         ({"dynamic_growth_steps": 1.5}, "dynamic_growth_steps", "integer"),
-        ({"hysteresis": 0}, "hysteresis", ">= 1"),
-        ({"min_scale": 0.0}, "min_scale", "> 0"),
-        ({"min_scale": -1.0}, "min_scale", "> 0"),
-        ({"max_scale": 0.5}, "max_scale", ">= min_scale"),
+        ({"dynamic_growth_steps": 2**31}, "dynamic_growth_steps", "2147483647"),
+        ({"dynamic_growth_steps": True}, "dynamic_growth_steps", "integer"),
+        ({"hysteresis": 0}, "hysteresis", "from 1 to"),
+        ({"hysteresis": np.bool_(True)}, "hysteresis", "integer"),
+        ({"min_scale": 0.0}, "min_scale", "normal range"),
+        ({"min_scale": -1.0}, "min_scale", "normal range"),
+        # Subnormal or 0 in float32: the scale could underflow to 0.
+        ({"min_scale": 1e-45}, "min_scale", "[1.1754944e-38, 3.4028235e+38]"),
+        ({"min_scale": 1e-50}, "min_scale", "[1.1754944e-38, 3.4028235e+38]"),
+        ({"min_scale": 1e39, "max_scale": None}, "min_scale", "normal range"),
+        ({"max_scale": 0.5}, "max_scale", "from min_scale (1.0)"),
         (
             {"min_scale": 8.0, "max_scale": 4.0, "initial_scale": 4.0},
             "max_scale",
-            ">= min_scale",
+            "from min_scale (8.0)",
         ),
-        ({"initial_scale": 0.5}, "initial_scale", "[min_scale, max_scale]"),
+        ({"max_scale": 1e39}, "max_scale", "3.4028235e+38"),
+        ({"max_scale": math.inf}, "max_scale", "3.4028235e+38"),
+        ({"initial_scale": 0.5}, "initial_scale", "from min_scale (1.0)"),
         (
             {"initial_scale": 2.0**25},
             "initial_scale",
-            "[min_scale, max_scale]",
+            "to max_scale (16777216.0)",
         ),
         (
             {"initial_scale": math.inf, "max_scale": None},
             "initial_scale",
-            "[min_scale, max_scale]",
+            "3.4028235e+38 (max_scale is None)",
         ),
-        ({"initial_scale": math.nan}, "initial_scale", "NaN"),
-        ({"growth_factor": "2"}, "growth_factor", "number"),
+        # Finite in float64, inf in float32: every step would be skipped.
+        (
+            {"initial_scale": 1e39, "max_scale": None},
+            "initial_scale",
+            "3.4028235e+38 (max_scale is None)",
+        ),
+        ({"initial_scale": math.nan}, "initial_scale", "from min_scale"),
+        # Explicitly out of range still raises (the default moves instead).
+        (
+            {"initial_scale": 2.0**15, "max_scale": 2.0**12},
+            "initial_scale",
+            "to max_scale (4096.0)",
+        ),
+        ({"dynamic": "False"}, "dynamic", "True or False"),
+        ({"dynamic": None}, "dynamic", "True or False"),
+        ({"dynamic": 0}, "dynamic", "True or False"),
+        (
+            {"consecutive_hysteresis": "false"},
+            "consecutive_hysteresis",
+            "True or False",
+        ),
+        (
+            {"consecutive_hysteresis": 1},
+            "consecutive_hysteresis",
+            "True or False",
+        ),
     ],
 )
 def test_bad_input_names_the_argument_and_range(kwargs, argument, allowed):
@@ -241,7 +288,108 @@ def test_edges_of_the_ranges_are_accepted():
     LossScaleOptimizer(_sgd(), initial_scale=1.0, max_scale=1.0)
     LossScaleOptimizer(_sgd(), initial_scale=2.0**30, max_scale=None)
     LossScaleOptimizer(_sgd(), dynamic_growth_steps=1, hysteresis=1)
+    LossScaleOptimizer(
+        _sgd(), dynamic_growth_steps=2**31 - 1, hysteresis=2**31 - 1
+    )
     LossScaleOptimizer(_sgd(), growth_factor=1.0001, backoff_factor=0.9999)
+    # float32's own edges, as the messages print them and exactly.
+    for small, large in ((SMALLEST, LARGEST), (F32_TINY, F32_MAX)):
+        LossScaleOptimizer(
+            _sgd(), min_scale=small, initial_scale=small, max_scale=large
+        )
+        LossScaleOptimizer(_sgd(), initial_scale=large, max_scale=None)
+        LossScaleOptimizer(_sgd(), growth_factor=large, backoff_factor=small)
+    LossScaleOptimizer(_sgd(), growth_factor=1.0000001)
+    LossScaleOptimizer(_sgd(), backoff_factor=0.99999994)
+
+
+def test_messages_read_naturally():
+    # The whole sentence, as a user reads it: no "must be not NaN, a finite
+    # number", no "must be an integer, an integer >= 1".
+    cases = [
+        (
+            {"hysteresis": 0},
+            "`hysteresis` must be an integer from 1 to 2147483647; "
+            "received hysteresis=0.",
+        ),
+        (
+            {"dynamic_growth_steps": 2.5},
+            "`dynamic_growth_steps` must be an integer from 1 to "
+            "2147483647; received dynamic_growth_steps=2.5.",
+        ),
+        (
+            {"initial_scale": math.nan},
+            "`initial_scale` must be a number from min_scale (1.0) to "
+            "max_scale (16777216.0); received initial_scale=nan.",
+        ),
+        (
+            {"dynamic": "False"},
+            "`dynamic` must be True or False; received dynamic='False'.",
+        ),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as info:
+            LossScaleOptimizer(_sgd(), **kwargs)
+        assert str(info.value) == message
+
+
+def test_default_initial_scale_moves_into_the_bounds():
+    # The user never passed `initial_scale`: bounds that exclude the default
+    # (2**15) move it to the nearest bound instead of raising about it.
+    opt = LossScaleOptimizer(keras.optimizers.Adam(), max_scale=2**12)
+    assert opt.initial_scale == 4096.0
+    assert type(opt.initial_scale) is float
+    assert opt.loss_scale == 4096.0
+    opt = LossScaleOptimizer(_sgd(), min_scale=2.0**16, max_scale=None)
+    assert opt.initial_scale == 2.0**16
+    opt = LossScaleOptimizer(_sgd(), max_scale=2.0**20)
+    assert opt.initial_scale == 2.0**15  # inside the bounds: unchanged
+    # The moved default is what the variable starts at and what the config
+    # carries; the config reloads as is.
+    opt = LossScaleOptimizer(_sgd(), max_scale=100.0)
+    Stepper(opt).step(True)
+    assert opt.loss_scale == 100.0
+    config = opt.get_config()
+    assert config["initial_scale"] == 100.0
+    assert LossScaleOptimizer.from_config(config).get_config() == config
+
+
+@pytest.mark.parametrize("argument", ["dynamic", "consecutive_hysteresis"])
+def test_numpy_bools_accepted_as_flags(argument):
+    for value in (False, True, np.bool_(False), np.bool_(True)):
+        opt = LossScaleOptimizer(_sgd(), **{argument: value})
+        assert getattr(opt, argument) is bool(value)
+
+
+def test_numpy_bool_false_makes_a_static_scale():
+    opt = LossScaleOptimizer(_sgd(), initial_scale=8.0, dynamic=np.bool_(False))
+    stepper = Stepper(opt)
+    for _ in range(3):
+        state = stepper.step(False)
+    assert state["scale"] == 8.0 and state["skipped"] == 3
+
+
+def test_numpy_numbers_accepted_like_python_numbers():
+    kwargs = dict(
+        initial_scale=np.float32(64.0),
+        dynamic_growth_steps=np.int64(7),
+        growth_factor=np.float64(4.0),
+        backoff_factor=np.float16(0.25),
+        hysteresis=np.uint8(3),
+        consecutive_hysteresis=np.bool_(True),
+        min_scale=np.float32(0.5),
+        max_scale=np.int32(1024),
+        dynamic=np.bool_(False),
+        name="lso",
+    )
+    opt = LossScaleOptimizer(_sgd(0.3, momentum=0.5), **kwargs)
+    config = opt.get_config()
+    for key, value in ALL_ARGS.items():
+        assert config[key] == value, key
+        # Plain Python types: the config goes to JSON in `.keras` files.
+        assert type(config[key]) is type(value), key
+    restored = LossScaleOptimizer.from_config(json.loads(json.dumps(config)))
+    assert restored.get_config() == config
 
 
 def test_base_optimizer_arguments_still_rejected_like_stock():
@@ -295,6 +443,52 @@ def test_registered_and_deserializes_without_custom_objects():
     assert restored.get_config() == opt.get_config()
 
 
+# Written by kerasmp before the float32 bounds and the strict flag checks
+# (`keras.saving.serialize_keras_object` of an optimizer with ALL_ARGS but
+# max_scale=None), as a `.keras` file stores it.
+SAVED_BEFORE = """{"module": "kerasmp.optimizer", "class_name":
+"LossScaleOptimizer", "config": {"name": "lso", "inner_optimizer": {"module":
+"keras.optimizers", "class_name": "SGD", "config": {"name": "sgd",
+"learning_rate": 0.25, "weight_decay": null, "clipnorm": null,
+"global_clipnorm": null, "clipvalue": null, "use_ema": false, "ema_momentum":
+0.99, "ema_overwrite_frequency": null, "loss_scale_factor": null,
+"gradient_accumulation_steps": null, "momentum": 0.5, "nesterov": false},
+"registered_name": null}, "initial_scale": 64.0, "dynamic_growth_steps": 7,
+"growth_factor": 4.0, "backoff_factor": 0.25, "hysteresis": 3,
+"consecutive_hysteresis": true, "min_scale": 0.5, "max_scale": null,
+"dynamic": false}, "registered_name": "kerasmp>LossScaleOptimizer"}"""
+
+
+def test_config_saved_by_the_previous_version_loads():
+    saved = json.loads(SAVED_BEFORE)
+    opt = keras.saving.deserialize_keras_object(saved)
+    assert type(opt) is LossScaleOptimizer
+    expected = dict(ALL_ARGS, max_scale=None)
+    for key, value in expected.items():
+        assert getattr(opt, key) == value, key
+    assert opt.inner_optimizer.momentum == 0.5
+    # And it saves back to the same config.
+    assert (
+        keras.saving.serialize_keras_object(opt)["config"] == (saved["config"])
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(min_scale=SMALLEST, initial_scale=SMALLEST, max_scale=LARGEST),
+        dict(min_scale=F32_TINY, backoff_factor=F32_TINY, max_scale=None),
+        dict(initial_scale=LARGEST, growth_factor=LARGEST, max_scale=None),
+        dict(max_scale=2**12),  # the default initial_scale moved to 4096
+    ],
+)
+def test_config_round_trips_at_the_float32_edges(kwargs):
+    opt = LossScaleOptimizer(_sgd(), **kwargs)
+    config = opt.get_config()
+    restored = LossScaleOptimizer.from_config(json.loads(json.dumps(config)))
+    assert restored.get_config() == config
+
+
 def test_from_config_accepts_stock_configs():
     stock = keras.optimizers.LossScaleOptimizer(
         _sgd(0.5), initial_scale=8.0, dynamic_growth_steps=3, name="old"
@@ -316,6 +510,23 @@ def test_from_config_accepts_stock_configs():
     # Old stock configs also carried inert base-optimizer arguments.
     legacy = dict(config, weight_decay=None, clipnorm=None, use_ema=False)
     LossScaleOptimizer.from_config(legacy)
+
+
+@pytest.mark.parametrize("initial", [2.0**30, 0.25, 2.0**-100])
+def test_from_config_accepts_stock_configs_outside_the_default_bounds(initial):
+    # Stock Keras has no floor or ceiling: its config may start above our
+    # default max_scale (2**24) or below our default min_scale (1). The
+    # default bound widens to hold it; the scale starts where stock's did.
+    stock = keras.optimizers.LossScaleOptimizer(_sgd(), initial_scale=initial)
+    opt = LossScaleOptimizer.from_config(stock.get_config())
+    assert opt.initial_scale == initial
+    assert opt.min_scale <= initial <= opt.max_scale
+    stepper = Stepper(opt)
+    assert stepper.step(False)["scale"] == max(initial / 2, opt.min_scale)
+    # An explicit bound in the config is the user's: still enforced.
+    config = dict(stock.get_config(), min_scale=1.0, max_scale=2.0**24)
+    with pytest.raises(ValueError, match="`initial_scale`"):
+        LossScaleOptimizer.from_config(config)
 
 
 # -------------------------------------------------------------------- rules
@@ -607,6 +818,143 @@ def test_scale_ceiling_odd_growth_factor():
     for _ in range(120):
         state = stepper.step(True, value=0.0)
     assert state["scale"] == float(expected)
+
+
+STRESS_STEPS = 10_000
+
+
+def run_compiled(optimizer, variable, gradient, steps):
+    """Runs `steps` optimizer steps in one compiled loop (fast enough for
+    thousands of steps) and returns the scale and `variable[0]` after each
+    step, as float64 arrays. `gradient(i, scale)` is step i's gradient of
+    the scaled loss, given the current scale.
+
+    TensorFlow: `optimizer.apply` in a `tf.function` loop. JAX:
+    `optimizer.stateless_apply` (what `apply` runs) in a `fori_loop`.
+    """
+    optimizer.build([variable])
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def loop():
+            scales = tf.TensorArray(tf.float32, size=steps)
+            weights = tf.TensorArray(tf.float32, size=steps)
+            for i in tf.range(steps):
+                scale = tf.convert_to_tensor(optimizer.dynamic_scale)
+                optimizer.apply([gradient(i, scale)], [variable])
+                scales = scales.write(
+                    i, tf.convert_to_tensor(optimizer.dynamic_scale)
+                )
+                weights = weights.write(i, variable[0])
+            return scales.stack(), weights.stack()
+
+        scales, weights = loop()
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        k = [v is optimizer.dynamic_scale for v in optimizer.variables]
+        k = k.index(True)
+
+        def body(i, carry):
+            opt_values, values, scales, weights = carry
+            grad = gradient(i, opt_values[k])
+            values, opt_values = optimizer.stateless_apply(
+                opt_values, [grad], values
+            )
+            scales = scales.at[i].set(opt_values[k])
+            weights = weights.at[i].set(values[0][0])
+            return list(opt_values), list(values), scales, weights
+
+        carry = (
+            [v.value for v in optimizer.variables],
+            [variable.value],
+            jnp.zeros(steps, "float32"),
+            jnp.zeros(steps, "float32"),
+        )
+        opt_values, values, scales, weights = jax.jit(
+            lambda c: jax.lax.fori_loop(0, steps, body, c)
+        )(carry)
+        for v, value in zip(optimizer.variables, opt_values):
+            v.assign(value)
+        variable.assign(values[0])
+    return (
+        ops.convert_to_numpy(scales).astype("float64"),
+        ops.convert_to_numpy(weights).astype("float64"),
+    )
+
+
+@pytest.mark.parametrize("backoff_factor", [0.5, SMALLEST])
+def test_smallest_min_scale_survives_10000_overflows(backoff_factor):
+    # The smallest accepted floor, reached over and over (with the smallest
+    # accepted backoff factor the product underflows to 0 every time), with
+    # one good step in 100 (growth after every good step). Reference: the
+    # rule in numpy float32, which gives the same values whether or not
+    # subnormals flush to 0. The good steps move the weight by exactly -lr
+    # (the gradient of the scaled loss is `scale * 1`, unscaled back to 1),
+    # where a scale of 0 would write inf.
+    lr = 2.0**-4
+    opt = LossScaleOptimizer(
+        _sgd(lr),
+        initial_scale=1.0,
+        min_scale=SMALLEST,
+        backoff_factor=backoff_factor,
+        dynamic_growth_steps=1,
+    )
+    variable = keras.Variable(np.ones((1,), "float32"))
+    good = np.arange(STRESS_STEPS) % 100 == 50
+
+    def gradient(i, scale):
+        finite = ops.equal(i % 100, 50)
+        return ops.reshape(ops.where(finite, scale, np.inf), (1,))
+
+    scales, weights = run_compiled(opt, variable, gradient, STRESS_STEPS)
+
+    expected = []
+    scale = np.float32(1.0)
+    with np.errstate(under="ignore"):
+        for finite in good:
+            if finite:
+                scale = scale * np.float32(2.0)
+            else:
+                scale = max(
+                    scale * np.float32(backoff_factor), np.float32(F32_TINY)
+                )
+            expected.append(float(scale))
+    np.testing.assert_array_equal(scales, expected)
+    assert scales.min() == F32_TINY and np.isfinite(scales).all()
+    np.testing.assert_array_equal(weights, 1.0 - lr * np.cumsum(good))
+    assert opt.skipped_steps == STRESS_STEPS - good.sum()
+    assert opt.loss_scale == F32_TINY
+
+
+@pytest.mark.parametrize(
+    "growth_factor, max_scale", [(2.0, None), (LARGEST, LARGEST)]
+)
+def test_largest_scale_survives_10000_growth_steps(growth_factor, max_scale):
+    # The largest accepted scale, asked to grow on every step (by 2, or by
+    # the largest accepted factor, with and without a ceiling): it stays at
+    # the largest finite float32, and every step applies a gradient that
+    # unscales to exactly 2**-4 (`F32_MAX * 2**-4` is exact).
+    opt = LossScaleOptimizer(
+        _sgd(1.0),
+        initial_scale=LARGEST,
+        growth_factor=growth_factor,
+        max_scale=max_scale,
+        dynamic_growth_steps=1,
+    )
+    variable = keras.Variable(np.ones((1,), "float32"))
+
+    def gradient(i, scale):
+        return ops.reshape(scale * 2.0**-4, (1,))
+
+    scales, weights = run_compiled(opt, variable, gradient, STRESS_STEPS)
+    np.testing.assert_array_equal(scales, F32_MAX)
+    steps = np.arange(1, STRESS_STEPS + 1)
+    np.testing.assert_array_equal(weights, 1.0 - 2.0**-4 * steps)
+    assert opt.skipped_steps == 0
+    assert ops.convert_to_numpy(opt.iterations) == STRESS_STEPS
 
 
 def test_max_scale_binds():

@@ -132,7 +132,15 @@ def test_compile_with_stock_settings_matches_stock_fit():
 )
 def test_clipping_sees_unscaled_gradients(clip):
     # Loss scaling by powers of two is exact in float32, so a loss-scaled
-    # run must make exactly the float32 run's clipped updates.
+    # run must make exactly the float32 run's clipped updates. One caveat,
+    # TensorFlow's, not kerasmp's: the wrapped update runs inside a `cond`
+    # branch, where TF's graph optimizer (its arithmetic optimizer) may
+    # rewrite `global_clipnorm`'s `1 / sqrt(sum of squares)` differently
+    # from the top-level graph, by 1 ulp in an odd weight depending on the
+    # step's graph layout (here: exact with Keras 3.15.1, not with
+    # 3.16.0.dev; none with that optimizer disabled). Clipping the scaled
+    # gradients instead would change the updates by far more.
+    maxulp = 1 if "global_clipnorm" in clip and BACKEND == "tensorflow" else 0
     rng = np.random.default_rng(2)
     x = rng.normal(size=(32, 8)).astype("float32")
     y = (rng.normal(size=(32, 1)) * 10).astype("float32")
@@ -146,7 +154,7 @@ def test_clipping_sees_unscaled_gradients(clip):
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         weights.append(_weights(model))
     for a, b in zip(*weights):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_max_ulp(a, b, maxulp=maxulp)
     # ... and the clip really acted (the updates differ from unclipped).
     model = _mlp(seed=4)
     model.compile(keras.optimizers.SGD(0.1), "mse")
