@@ -16,6 +16,9 @@ import numpy as np
 from keras import ops
 
 from kerasmp._layers import walk
+from kerasmp.gradients import GradientReport  # noqa: F401
+from kerasmp.gradients import gradient_report  # noqa: F401
+from kerasmp.gradients import plot_gradient_report  # noqa: F401
 
 _FLOAT_MAX = {
     "float16": 65504.0,
