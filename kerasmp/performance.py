@@ -65,18 +65,27 @@ class PerformanceMonitor(keras.callbacks.Callback):
         mark).
 
     The per-step work is one integer update, run with Keras's asynchronous
-    batch-callback dispatch left on; the rest happens once per epoch.
+    batch-callback dispatch left on (with `warmup_steps=0`); the rest
+    happens once per epoch.
 
     Args:
         batch_size: the batch size, for `samples_per_second`. None: read from
-            the `fit` call's data (arrays, `tf.data` datasets, PyDataset);
-            if it cannot be found, `samples_per_second` is not logged.
+            the `fit` call's data (arrays, `tf.data` datasets with a static
+            batch dimension, PyDataset); if it cannot be found,
+            `samples_per_second` is not logged (with a warning).
+        warmup_steps: steps at the start of each epoch left out of the
+            timing; 0 times the whole epoch. Above 0, the clock runs from
+            the end of the last warm-up step to the end of the epoch's last
+            step (each step's end being when its logs reach the callbacks:
+            batch callbacks are then dispatched synchronously, so that both
+            ends are on time), which leaves out the epoch's set-up and
+            end-of-epoch work too: the steady-state speed.
 
     Attributes:
         memory_source: where `peak_memory_mb` comes from (a string), set at
             the start of training.
-        epochs: one dict per epoch with `steps`, `samples`, `seconds` and the
-            three logged values.
+        epochs: one dict per epoch with `steps`, `samples`, `seconds` (the
+            timed ones, warm-up steps left out) and the logged values.
 
     Example:
 
@@ -87,11 +96,21 @@ class PerformanceMonitor(keras.callbacks.Callback):
     ```
     """
 
-    # Only an integer is updated per batch: no need to block the next step.
-    async_safe = True
-
-    def __init__(self, batch_size=None):
+    def __init__(self, batch_size=None, warmup_steps=0):
         super().__init__()
+        if (
+            isinstance(warmup_steps, bool)
+            or not isinstance(warmup_steps, int)
+            or warmup_steps < 0
+        ):
+            raise ValueError(
+                "PerformanceMonitor: `warmup_steps` must be an integer >= 0. "
+                f"Received: {warmup_steps!r}"
+            )
+        self.warmup_steps = warmup_steps
+        # Keras reads this per instance: async dispatch could run the
+        # batch-end hook late, and starting the clock late.
+        self.async_safe = warmup_steps == 0
         if batch_size is not None and (
             isinstance(batch_size, bool)
             or not isinstance(batch_size, int)
@@ -114,6 +133,9 @@ class PerformanceMonitor(keras.callbacks.Callback):
         self._num_batches = None
         self._tf_device = None
         self._jax_peak = False
+        self._warm_end = None
+        self._last_end = None
+        self._warm_steps = 0
 
     # ---------------------------------------------------------- callbacks
 
@@ -160,6 +182,9 @@ class PerformanceMonitor(keras.callbacks.Callback):
             tf.config.experimental.reset_memory_stats(self._tf_device)
         with self._lock:
             self._steps = 0
+            self._warm_end = None
+            self._last_end = None
+            self._warm_steps = 0
         self._end = None
         self._in_epoch = True
         self._start = time.perf_counter()
@@ -170,6 +195,14 @@ class PerformanceMonitor(keras.callbacks.Callback):
         with self._lock:
             if batch + 1 > self._steps:
                 self._steps = batch + 1
+            if self.warmup_steps:
+                now = time.perf_counter()
+                if self._warm_end is None:
+                    if self._steps >= self.warmup_steps:
+                        self._warm_end = now
+                        self._warm_steps = self._steps
+                else:
+                    self._last_end = now
 
     def on_test_begin(self, logs=None):
         # Validation inside fit: the epoch's training steps are done.
@@ -179,9 +212,20 @@ class PerformanceMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         end = self._end if self._end is not None else time.perf_counter()
         self._in_epoch = False
-        seconds = end - self._start
         with self._lock:
             steps = self._steps
+            start = self._start
+            if self.warmup_steps:
+                if self._warm_end is None or steps <= self._warm_steps:
+                    raise ValueError(
+                        f"PerformanceMonitor: the epoch ran {steps} steps, "
+                        f"not more than `warmup_steps`={self.warmup_steps}: "
+                        "no step left to time."
+                    )
+                start = self._warm_end
+                end = self._last_end
+                steps -= self._warm_steps
+        seconds = end - start
         values = {"steps_per_second": steps / seconds if seconds > 0 else 0.0}
         samples = self._samples(steps)
         if samples is not None:
@@ -206,7 +250,7 @@ class PerformanceMonitor(keras.callbacks.Callback):
             self.batch_size is None
             and self._partial
             and self._num_batches is not None
-            and steps == self._num_batches
+            and steps + self._warm_steps == self._num_batches
         ):
             return (steps - 1) * size + self._partial
         return steps * size

@@ -179,3 +179,35 @@ def test_values_reach_the_progress_bar(capsys):
 def test_bad_batch_size(bad):
     with pytest.raises(ValueError, match="`batch_size`"):
         PerformanceMonitor(batch_size=bad)
+
+
+def test_warmup_steps_leave_the_first_steps_out():
+    x, y = _data(256)
+    clock = StepClock()
+    monitor = PerformanceMonitor(warmup_steps=2)
+    history = _model().fit(x, y, batch_size=32, epochs=2, verbose=0,
+                           callbacks=[monitor, clock])
+    for epoch, rate, ends in zip(monitor.epochs,
+                                 history.history["steps_per_second"],
+                                 clock.ends):
+        assert epoch["steps"] == 6 and epoch["samples"] == 6 * 32
+        assert rate == pytest.approx(6 / (ends[-1] - ends[1]), rel=0.10)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        _model().fit(x[:64], y[:64], batch_size=32, verbose=0,
+                     callbacks=[PerformanceMonitor(warmup_steps=2)])
+    with pytest.raises(ValueError, match="`warmup_steps`"):
+        PerformanceMonitor(warmup_steps=-1)
+
+
+class StepClock(keras.callbacks.Callback):
+    """The time each training step's logs reach the callbacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.ends.append([])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends[-1].append(time.perf_counter())
