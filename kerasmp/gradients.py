@@ -636,7 +636,7 @@ def plot_gradient_report(report, path, title="Gradients vs loss scale"):
                        f"{_log2(report.recommended_scale)}")
         handles[0].append(h)
         handles[1].append(h.get_label())
-    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="center left",
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper right",
               fontsize="small")
     figure.savefig(path)
     return figure
