@@ -4,7 +4,12 @@
 layer's output in execution order, and, given `y`, computes the gradients of
 the (optionally scaled) loss. The model's state (batch-norm statistics, seed
 generators, metrics) is restored afterwards, so it is safe to call in the
-middle of training.
+middle of training. An input beyond float16's range is named as the first
+cause.
+
+`gradient_report(model, x, y)` (from `kerasmp.gradients`, re-exported here)
+measures gradient underflow and overflow at each candidate loss scale against
+a float32 pass and recommends a static scale; `plot_gradient_report` draws it.
 """
 
 import contextlib
