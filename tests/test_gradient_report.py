@@ -282,3 +282,26 @@ def test_plot_gradient_report(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(TypeError, match="GradientReport"):
         plot_gradient_report({"rows": []}, tmp_path / "h.png")
+
+
+def test_embedding_model_and_loss_override():
+    # TensorFlow returns an Embedding's gradient as IndexedSlices; the
+    # report densifies it. Uncompiled model: the loss comes from `loss=`.
+    keras.utils.set_random_seed(0)
+    with kerasmp.policy_scope("mixed_float16"):
+        model = keras.Sequential([
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(50, 8, name="embed"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(4, name="out"),
+        ])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(16, 6)).astype("int32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    report = gradient_report(model, x, y, loss=_scaled_mse(1e-6),
+                             scales=[1.0, 2.0**16])
+    assert report.at(1.0).underflow > 0.3
+    assert report.at(2.0**16).underflow < 0.02
+    embed = next(v for v in report.layers_at(2.0**16)
+                 if v.path.endswith("embeddings"))
+    assert embed.size == 50 * 8 and embed.rel_error < 0.05
