@@ -6,17 +6,19 @@ Conv32-pool-Dense64-Dense10, batch 64) trains on synthetic data under
 (Adam), on the CPU, one step per call (`steps_per_execution=1`, where the
 per-step callback work weighs most).
 
-Three copies of the model start from the same weights: "plain" (no
-callbacks), "monitors" (`LossScaleMonitor()` and `NonFiniteMonitor()`,
-defaults, new instances for every fit) and "sync" (a no-op
+Four copies of the model start from the same weights: "plain" (no callbacks),
+"monitors" (`LossScaleMonitor()` and `NonFiniteMonitor()`, defaults, new
+instances for every fit), "sync" (a no-op
 `LambdaCallback(on_train_batch_end=...)`: what any batch-end callback costs by
 turning off Keras's asynchronous callback dispatch, as `NonFiniteMonitor` and
-`TerminateOnNaN` do). Each is warmed up (traced) once, then fits of
-`--epochs` epochs cycle through the three, starting with a different one each
-trial, in one process. Reported: the median over trials of the wall-time
-ratio to "plain", the ratio of median process CPU times (less sensitive to
-other processes on a shared machine), and the host-side Python cost of the
-monitors per step, timed alone. Target: monitors/plain <= 1.02.
+`TerminateOnNaN` do) and "performance" (`kerasmp.performance.
+PerformanceMonitor()` alone, default arguments). Each is warmed up (traced)
+once, then fits of `--epochs` epochs cycle through the configurations, starting
+with a different one each trial, in one process. Reported: the median over
+trials of the wall-time ratio to "plain", the ratio of median process CPU times
+(less sensitive to other processes on a shared machine), and the host-side
+Python cost of the monitors per step, timed alone. Target: monitors/plain <=
+1.02 and performance/plain <= 1.02.
 
 What the monitors cost per step: two extra scalars in the step's logs
 (converted with the loss), a five-number record of the step (one transfer),
@@ -54,6 +56,7 @@ import optimizer_overhead  # noqa: E402  (this directory: the same CNN)
 from kerasmp.callbacks import LossScaleMonitor  # noqa: E402
 from kerasmp.callbacks import NonFiniteMonitor  # noqa: E402
 from kerasmp.optimizer import LossScaleOptimizer  # noqa: E402
+from kerasmp.performance import PerformanceMonitor  # noqa: E402
 from kerasmp.policy import Policy  # noqa: E402
 from kerasmp.policy import set_global_policy  # noqa: E402
 
@@ -83,7 +86,7 @@ def make_model(weights):
     return model
 
 
-CONFIGS = ("plain", "monitors", "sync")
+CONFIGS = ("plain", "monitors", "sync", "performance")
 
 
 def callbacks(config):
@@ -94,6 +97,8 @@ def callbacks(config):
         # Any callback with a batch-end hook makes Keras dispatch batch
         # callbacks synchronously; this one does nothing else.
         return [keras.callbacks.LambdaCallback(on_train_batch_end=_noop)]
+    if config == "performance":
+        return [PerformanceMonitor()]
     return []
 
 
@@ -115,6 +120,9 @@ def timed_fit(model, x, y, batch_size, epochs, config):
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert ("loss_scale" in history.history) == (config == "monitors")
+    assert ("steps_per_second" in history.history) == (
+        config == "performance"
+    )
     return wall, cpu
 
 
@@ -200,7 +208,8 @@ def main(argv=None):
     wall = {name: [] for name in CONFIGS}
     cpu = {name: [] for name in CONFIGS}
     for t in range(args.trials):
-        order = CONFIGS[t % 3 :] + CONFIGS[: t % 3]
+        k = t % len(CONFIGS)
+        order = CONFIGS[k:] + CONFIGS[:k]
         for name in order:
             w, c = timed_fit(
                 models[name], x, y, args.batch_size, args.epochs, name
@@ -226,10 +235,10 @@ def main(argv=None):
     ratio_cpu = med_cpu["monitors"] / med_cpu["plain"]
     step_s = med["plain"] / steps
     print()
-    print(f"{'config':<10} {'wall s':>8} {'ms/step':>8} {'CPU s':>8}")
+    print(f"{'config':<12} {'wall s':>8} {'ms/step':>8} {'CPU s':>8}")
     for name in CONFIGS:
         print(
-            f"{name:<10} {med[name]:>8.3f} {med[name] / steps * 1e3:>8.2f} "
+            f"{name:<12} {med[name]:>8.3f} {med[name] / steps * 1e3:>8.2f} "
             f"{med_cpu[name]:>8.3f}"
         )
     print(
@@ -241,6 +250,12 @@ def main(argv=None):
         f"wall, {med_cpu['sync'] / med_cpu['plain']:.3f} CPU; "
         f"monitors/sync: {paired('monitors', 'sync'):.3f} wall, "
         f"{med_cpu['monitors'] / med_cpu['sync']:.3f} CPU"
+    )
+    print(
+        f"performance/plain (PerformanceMonitor): "
+        f"{paired('performance', 'plain'):.3f} wall, "
+        f"{med_cpu['performance'] / med_cpu['plain']:.3f} CPU; "
+        "target <= 1.02"
     )
     print(
         f"host-side cost of the monitors alone: {host * 1e6:.1f} us/step = "
@@ -273,6 +288,7 @@ def main(argv=None):
             "plain": "no callbacks",
             "monitors": "LossScaleMonitor() + NonFiniteMonitor()",
             "sync": "a no-op LambdaCallback(on_train_batch_end=...)",
+            "performance": "PerformanceMonitor()",
         },
         "wall_seconds": wall,
         "cpu_seconds": cpu,
@@ -285,6 +301,8 @@ def main(argv=None):
         "ratio_sync_cpu": med_cpu["sync"] / med_cpu["plain"],
         "ratio_monitors_over_sync_wall": paired("monitors", "sync"),
         "ratio_monitors_over_sync_cpu": med_cpu["monitors"] / med_cpu["sync"],
+        "ratio_performance_wall": paired("performance", "plain"),
+        "ratio_performance_cpu": med_cpu["performance"] / med_cpu["plain"],
         "host_cost_us_per_step": host * 1e6,
         "host_cost_fraction_of_plain_step": host / step_s,
         "target_ratio": 1.02,

@@ -4,7 +4,8 @@ Trains a small model zoo (an MLP, a CNN and a transformer encoder) for a few
 steps under each policy, in one process, and reports per model and policy:
 
 - `steps_per_s`: training steps per second, the median over `repeats` timed
-  `fit` calls. Each timed call runs `steps` steps; the clock starts when the
+  `fit` calls, as `kerasmp.performance.PerformanceMonitor(warmup_steps=1)`
+  logs it. Each timed call runs `steps` steps; the clock starts when the
   first step's logs reach the callbacks and stops at the last step's, so
   tracing/compilation (a warm-up `fit` beforehand), data-pipeline set-up and
   the first step are excluded. Logs are read every step, so every timed step
@@ -46,6 +47,7 @@ import keras
 import numpy as np
 
 from kerasmp.debug import record_calls
+from kerasmp.performance import PerformanceMonitor
 from kerasmp.policy import handoff_dtype
 
 MODELS = ("mlp", "cnn", "transformer")
@@ -242,25 +244,6 @@ def make_data(spec, n, seed=0):
 # --------------------------------------------------------------------------
 
 
-class _StepTimer(keras.callbacks.Callback):
-    """Times the steps after the first one of a `fit` call."""
-
-    def __init__(self):
-        super().__init__()
-        self.start = self.end = None
-        self.timed_steps = 0
-        self.last_logs = {}
-
-    def on_train_batch_end(self, batch, logs=None):
-        now = time.perf_counter()
-        if batch == 0:
-            self.start = now
-        else:
-            self.end = now
-            self.timed_steps = batch
-        self.last_logs = dict(logs or {})
-
-
 def activation_bytes(model, x):
     """Bytes of the leaf-layer outputs (and inputs) of one forward pass.
 
@@ -454,15 +437,14 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
             _tf_gpu_peak(reset=True)
         rates, loss = [], None
         for _ in range(repeats):
-            timer = _StepTimer()
-            model.fit(x, y, batch_size=spec.batch_size, epochs=1,
-                      shuffle=False, verbose=0, callbacks=[timer])
-            if timer.end is None or timer.end <= timer.start:
-                raise ValueError(
-                    f"`steps` must be at least 2 to time a step; got {steps}."
-                )
-            rates.append(timer.timed_steps / (timer.end - timer.start))
-            loss = timer.last_logs.get("loss")
+            # The first step of each timed fit is left out (warmup_steps=1).
+            monitor = PerformanceMonitor(batch_size=spec.batch_size,
+                                         warmup_steps=1)
+            history = model.fit(x, y, batch_size=spec.batch_size, epochs=1,
+                                shuffle=False, verbose=0,
+                                callbacks=[monitor])
+            rates.append(history.history["steps_per_second"][-1])
+            loss = history.history["loss"][-1]
         peak = None
         peak_source = None
         device_peak = None

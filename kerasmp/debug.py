@@ -4,18 +4,27 @@
 layer's output in execution order, and, given `y`, computes the gradients of
 the (optionally scaled) loss. The model's state (batch-norm statistics, seed
 generators, metrics) is restored afterwards, so it is safe to call in the
-middle of training.
+middle of training. An input beyond float16's range is named as the first
+cause.
+
+`gradient_report(model, x, y)` (from `kerasmp.gradients`, re-exported here)
+measures gradient underflow and overflow at each candidate loss scale against
+a float32 pass and recommends a static scale; `plot_gradient_report` draws it.
 """
 
 import contextlib
 import dataclasses
 import math
+import numbers
 
 import keras
 import numpy as np
 from keras import ops
 
 from kerasmp._layers import walk
+from kerasmp.gradients import GradientReport  # noqa: F401
+from kerasmp.gradients import gradient_report  # noqa: F401
+from kerasmp.gradients import plot_gradient_report  # noqa: F401
 
 _FLOAT_MAX = {
     "float16": 65504.0,
@@ -72,15 +81,47 @@ class NonFiniteReport:
             layer comes before the layer that contains it).
         loss: the unscaled loss on the batch (None without `y`).
         loss_scale: the factor the loss was multiplied by for the gradients.
+        inputs_out_of_range: the model inputs holding values beyond
+            float16's range (|x| > 65504) while layers of the model compute
+            in float16, as `(name, max_abs)` pairs (`name` such as `"x"`,
+            `"x[1]"` or `"x['tokens']"`); such an input turns into inf as
+            soon as a float16 layer casts it, so it is the first cause of
+            anything non-finite after it. Empty otherwise.
     """
 
-    def __init__(self, rows, layer, variable, loss, loss_scale, layers):
+    def __init__(self, rows, layer, variable, loss, loss_scale, layers,
+                 inputs_out_of_range=()):
         self.rows = rows
         self.layer = layer
         self.variable = variable
         self.loss = loss
         self.loss_scale = loss_scale
         self._layers = layers
+        self.inputs_out_of_range = list(inputs_out_of_range)
+
+    @property
+    def cause(self):
+        """The first cause found, in one line, or None if all is finite.
+
+        In order: a model input beyond float16's range (when anything
+        non-finite followed), the first non-finite layer output, the first
+        non-finite gradient, a non-finite loss.
+        """
+        if self.inputs_out_of_range and not self.finite:
+            name, max_abs = self.inputs_out_of_range[0]
+            return (
+                f"model input {name} holds values up to |x| = "
+                f"{_fmt(max_abs)}, beyond float16's max 65504: it becomes "
+                "inf when a float16 layer casts it (scale or normalize the "
+                "inputs)"
+            )
+        if self.layer is not None:
+            return f"layer {self.layer} outputs inf/NaN"
+        if self.variable is not None:
+            return f"the gradient of {self.variable} holds inf/NaN"
+        if self.loss is not None and not math.isfinite(self.loss):
+            return f"the loss is {self.loss}"
+        return None
 
     def layer_object(self, path):
         """The layer object at `path` (a path from `rows`)."""
@@ -122,9 +163,17 @@ class NonFiniteReport:
             if i == first:
                 line += "  <- first non-finite output"
             lines.append(line.rstrip())
-        summary = [
-            f"first non-finite layer output: {self.layer}",
-        ]
+        summary = []
+        if self.cause is not None:
+            summary.append(f"first cause: {self.cause}")
+        elif self.inputs_out_of_range:
+            name, max_abs = self.inputs_out_of_range[0]
+            summary.append(
+                f"note: model input {name} holds values up to |x| = "
+                f"{_fmt(max_abs)}, beyond float16's max 65504 (nothing "
+                "non-finite came of it on this batch)"
+            )
+        summary.append(f"first non-finite layer output: {self.layer}")
         if with_grads or self.loss is not None:
             summary.append(
                 f"first non-finite gradient (backprop order): {self.variable}"
@@ -401,6 +450,17 @@ def find_nonfinite(
         loss_scale = (
             1.0 if scale_var is None else float(ops.convert_to_numpy(scale_var))
         )
+    elif (
+        isinstance(loss_scale, bool)
+        or not isinstance(loss_scale, numbers.Real)
+        or not math.isfinite(loss_scale)
+        or loss_scale <= 0
+    ):
+        raise ValueError(
+            "find_nonfinite: `loss_scale` must be a positive finite number, "
+            "or None for the current scale of the model's optimizer. "
+            f"Received: loss_scale={loss_scale!r}"
+        )
     loss_scale = float(loss_scale)
 
     paths = layer_paths(model)
@@ -450,8 +510,51 @@ def find_nonfinite(
             model, calls, paths, rows, row_index, grads
         )
     return NonFiniteReport(
-        rows, first_layer, first_variable, loss_value, loss_scale, by_path
+        rows,
+        first_layer,
+        first_variable,
+        loss_value,
+        loss_scale,
+        by_path,
+        _inputs_out_of_range(model, x),
     )
+
+
+def _computes_in_float16(model):
+    layers = [model] + [layer for _, layer in walk(model)]
+    return any(
+        getattr(layer, "compute_dtype", None) == "float16" for layer in layers
+    )
+
+
+def _input_name(path):
+    return "x" + "".join(f"[{key!r}]" for key in path)
+
+
+def _inputs_out_of_range(model, x):
+    """`(name, max_abs)` of the float inputs beyond float16's range.
+
+    Only when some layer of `model` computes in float16 (a float32 model
+    takes such inputs in its stride).
+    """
+    if not _computes_in_float16(model):
+        return []
+    limit = _FLOAT_MAX["float16"]
+    found = []
+    for path, value in keras.tree.flatten_with_path(x):
+        if value is None or not hasattr(value, "dtype"):
+            continue
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        if _float_max(dtype) is None:
+            continue
+        a = np.asarray(ops.convert_to_numpy(value), np.float64)
+        if not a.size:
+            continue
+        # inf counts (beyond the range); NaN compares False.
+        over = np.abs(a)[np.abs(a) > limit]
+        if over.size:
+            found.append((_input_name(path), float(np.max(over))))
+    return found
 
 
 def _gradient_rows(model, calls, paths, rows, row_index, grads):

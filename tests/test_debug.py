@@ -260,3 +260,62 @@ def test_bad_input():
     # ...unless a loss is given.
     report = find_nonfinite(model, x, y, loss="mse")
     assert report.finite
+
+
+@pytest.mark.parametrize(
+    "loss_scale", [math.nan, math.inf, -1.0, 0.0, -math.inf, "2", True]
+)
+def test_bad_loss_scale(loss_scale):
+    x, y = _batch()
+    model = _sequential(1.0)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="`loss_scale`"):
+        find_nonfinite(model, x, y, loss_scale=loss_scale)
+
+
+def test_input_beyond_float16_range_is_the_first_cause():
+    x, y = _batch()
+    x[3, 2] = 1e5  # a float32 value that is inf in float16
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _sequential(1.0)
+    model.compile(optimizer="sgd", loss="mse")
+    report = find_nonfinite(model, x, y)
+    assert report.inputs_out_of_range == [("x", 1e5)]
+    assert not report.finite
+    assert report.layer == "first"  # the first float16 layer to see it
+    assert report.cause.startswith("model input x holds values up to")
+    lines = str(report).splitlines()
+    summary = lines.index(next(li for li in lines if "first cause" in li))
+    assert "first cause: model input x" in lines[summary]
+    assert "65504" in lines[summary]
+    assert "first non-finite layer output: first" in lines[summary + 1]
+
+    # The same input through a float32 model: no cause at all.
+    keras.config.set_dtype_policy("float32")
+    model32 = _sequential(1.0)
+    model32.compile(optimizer="sgd", loss="mse")
+    report32 = find_nonfinite(model32, x, y)
+    assert report32.inputs_out_of_range == []
+    assert report32.finite and report32.cause is None
+
+
+def test_input_out_of_range_named_inside_dict_inputs():
+    keras.config.set_dtype_policy("mixed_float16")
+    a = keras.Input((4,), name="a")
+    b = keras.Input((4,), name="b")
+    h = keras.layers.Dense(4, name="mix")(
+        keras.layers.Concatenate(name="cat")([a, b])
+    )
+    model = keras.Model({"a": a, "b": b}, h)
+    rng = np.random.default_rng(0)
+    x = {
+        "a": rng.normal(size=(4, 4)).astype("float32"),
+        "b": rng.normal(size=(4, 4)).astype("float32"),
+    }
+    x["b"][0, 0] = -7e4
+    report = find_nonfinite(model, x)
+    assert report.inputs_out_of_range == [("x['b']", 7e4)]
+    assert "model input x['b']" in report.cause
+    # In range: nothing reported.
+    x["b"][0, 0] = 6e4
+    assert find_nonfinite(model, x).inputs_out_of_range == []

@@ -5,7 +5,7 @@ dtypes of the layers, the located layer, the export's parity...), so a
 notebook that runs but shows the wrong thing fails here too. They are stored
 without outputs; this test checks that as well.
 
-Notebooks 01 and 02 run on the backend of the test run (the kernel inherits
+Notebooks 01, 02 and 04 run on the backend of the test run (the kernel inherits
 KERAS_BACKEND); 03 needs TensorFlow (SavedModel, TFLite).
 """
 
@@ -71,7 +71,8 @@ def test_stored_without_outputs(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["01_quickstart.ipynb", "02_debugging_nonfinite.ipynb"]
+    "name", ["01_quickstart.ipynb", "02_debugging_nonfinite.ipynb",
+             "04_underflow.ipynb"]
 )
 def test_notebook_runs(name, tmp_path):
     notebook = _run(name, tmp_path, keras.backend.backend())

@@ -1,0 +1,176 @@
+"""kerasmp.distributed.check_workers_agree: two MultiWorkerMirroredStrategy
+workers (two processes on 127.0.0.1), the launch of
+tests/test_optimizer_distributed.py.
+
+Each worker builds and compiles its model for four scenarios in turn
+(identical settings; another policy on worker 1; another float32 rule; another
+initial loss scale) and calls the check after each compile. The expected
+values are the settings each worker was given, written out by hand.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import keras
+import pytest
+
+import kerasmp
+from kerasmp.distributed import check_workers_agree
+from kerasmp.distributed import worker_settings
+from kerasmp.optimizer import LossScaleOptimizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    index = int(sys.argv[1])
+    ports = sys.argv[2].split(",")
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": index},
+    })
+    import tensorflow as tf
+    import keras
+    import kerasmp
+    from kerasmp.distributed import check_workers_agree
+    from kerasmp.optimizer import LossScaleOptimizer
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    SCENARIOS = {
+        "same": ("mixed_float16", None, 2.0**15),
+        "policy": ("float32" if index else "mixed_float16", None, 2.0**15),
+        "rules": ("mixed_float16", ["head"] if index else None, 2.0**15),
+        "scale": ("mixed_float16", None, 2.0**10 if index else 2.0**15),
+    }
+    out = {}
+    for name, (policy, rules, scale) in SCENARIOS.items():
+        if rules is None:
+            policy = kerasmp.Policy(policy)
+        else:
+            policy = kerasmp.Policy(policy, float32_layers=rules)
+        with strategy.scope():
+            with kerasmp.policy_scope(policy):
+                model = keras.Sequential([
+                    keras.Input((4,)),
+                    keras.layers.Dense(4),
+                    keras.layers.Dense(1, name="head"),
+                ])
+            model.compile(
+                LossScaleOptimizer(keras.optimizers.SGD(),
+                                   initial_scale=scale),
+                "mse",
+            )
+        try:
+            check_workers_agree(model, strategy)
+            out[name] = "ok"
+        except ValueError as e:
+            out[name] = str(e)
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
+    )
+    env["KERAS_BACKEND"] = "tensorflow"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return env
+
+
+def _result(stdout, stderr, returncode):
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and lines, stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.mark.tensorflow
+def test_workers_with_different_settings_all_raise_the_same_error(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    ports = ",".join(map(str, _free_ports(2)))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), ports],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for i in range(2)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=300)
+            results.append(_result(stdout, stderr, proc.returncode))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    w0, w1 = results
+    assert w0["same"] == w1["same"] == "ok"
+    for name in ("policy", "rules", "scale"):
+        assert w0[name] == w1[name] != "ok", name
+    assert (
+        "`policy` differs (worker 0: mixed_float16, worker 1: float32)"
+        in w0["policy"]
+    )
+    assert "`float32_layers` differs" in w0["rules"]
+    assert '{"pattern": "head"}' in w0["rules"]
+    assert "`loss_scale` differs" in w0["scale"]
+    assert "32768.0" in w0["scale"] and "1024.0" in w0["scale"]
+    for name in ("policy", "rules", "scale"):
+        others = {"policy", "float32_layers", "loss_scale"} - {
+            {"policy": "policy", "rules": "float32_layers",
+             "scale": "loss_scale"}[name]
+        }
+        for field in others:
+            assert f"`{field}` differs" not in w0[name], (name, field)
+
+
+def test_settings_of_one_worker_and_no_op_without_a_strategy():
+    with kerasmp.policy_scope(
+        kerasmp.Policy("mixed_float16", float32_layers=["head"])
+    ):
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(1, name="head")]
+        )
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0,
+                           dynamic=False),
+        "mse",
+    )
+    settings = worker_settings(model)
+    assert settings["policy"] == "mixed_float16"
+    assert json.loads(settings["float32_layers"]) == [{"pattern": "head"}]
+    loss_scale = json.loads(settings["loss_scale"])
+    assert loss_scale["class"] == "LossScaleOptimizer"
+    assert loss_scale["initial_scale"] == "8.0"
+    assert loss_scale["dynamic"] == "False"
+    check_workers_agree(model)  # no multi-worker strategy: nothing to do
+
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    plain.compile("sgd", "mse")
+    assert worker_settings(plain) == {
+        "policy": "float32", "float32_layers": "-", "loss_scale": "none"
+    }
