@@ -32,7 +32,10 @@ stock Keras.
    plain optimizer is wrapped once in `kerasmp.LossScaleOptimizer`; an
    optimizer that already is a `keras.optimizers.LossScaleOptimizer` is kept;
    bfloat16 and float32 models get no loss scaling. `compile(...,
-   auto_scale_loss=False)` turns it off, as in stock Keras.
+   auto_scale_loss=False)` turns it off, as in stock Keras. Under a
+   multi-worker strategy, compile then checks that every worker has the
+   same policy, float32 rules and loss-scale settings
+   (`kerasmp.distributed.check_workers_agree`).
 
 4. Saving and loading. A kerasmp policy is saved as the stock
    `keras.DTypePolicy` a plain Keras can load (the policy's name, or
@@ -219,7 +222,14 @@ def _compile(self, *args, **kwargs):
         arguments["optimizer"] = optimizer
     # kerasmp has decided; keep stock Keras's name-based rule out of it.
     arguments["auto_scale_loss"] = False
-    return original(*bound.args, **bound.kwargs)
+    result = original(*bound.args, **bound.kwargs)
+    if keras.backend.backend() == "tensorflow":
+        # Every worker of a multi-worker job compiles: check there that
+        # they all train with the same precision settings.
+        from kerasmp.distributed import check_workers_agree
+
+        check_workers_agree(self)
+    return result
 
 
 # --- 4. Saving and loading --------------------------------------------------

@@ -24,6 +24,7 @@ from kerasmp import _step_tap
 from kerasmp.debug import find_nonfinite
 from kerasmp.errors import NonFiniteError
 from kerasmp.errors import NonFiniteWarning
+from kerasmp.performance import PerformanceMonitor  # noqa: F401 (re-export)
 
 ACTIONS = ("warn", "stop", "raise", "fallback")
 KINDS = (
