@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from kerasmp._half import FLOAT16_MAX
-from kerasmp._half import is_container
+from kerasmp._half import HalfModel
 from kerasmp._half import is_float
 from kerasmp._half import is_graph_model
 from kerasmp._half import numpy_value
@@ -33,6 +33,13 @@ def _sanitize(name, i):
 
 def input_specs(model):
     """`[(name, batch_shape, dtype)]` of the model's inputs, flat."""
+    if isinstance(model, HalfModel):
+        specs = input_specs(model.source_model())
+        if model.float16_inputs:
+            specs = [
+                (n, s, "float16" if is_float(d) else d) for n, s, d in specs
+            ]
+        return specs
     first = model._layers[0] if model._layers else None
     if isinstance(model, keras.Sequential) and isinstance(
         first, keras.layers.InputLayer
@@ -121,6 +128,8 @@ def as_input_list(sample, specs):
 
 
 def pack(model, arrays):
+    if isinstance(model, HalfModel):
+        return pack(model.source_model(), arrays)
     if is_graph_model(model) and not isinstance(model, keras.Sequential):
         return keras.tree.pack_sequence_as(model.input, arrays)
     return arrays[0]
@@ -200,7 +209,28 @@ def serving_module(model, specs):
 
 
 def write_keras(model, path):
-    keras.saving.save_model(model, path)
+    try:
+        keras.saving.save_model(model, path)
+    except NotImplementedError as e:
+        raise TypeError(_no_config_message(model, e)) from e
+
+
+def _no_config_message(model, e):
+    source = model.source_model() if isinstance(model, HalfModel) else model
+    return (
+        f"format='keras' needs the model's get_config(): "
+        f"{type(source).__name__} ({source.name!r}) has none usable. Add "
+        "get_config() returning its __init__ arguments, or "
+        "export to 'savedmodel', 'tflite' or 'onnx', which need no config."
+    )
+
+
+def check_config(model):
+    """Raises TypeError early when `model` cannot be saved as `.keras`."""
+    try:
+        keras.saving.serialize_keras_object(model)
+    except NotImplementedError as e:
+        raise TypeError(_no_config_message(model, e)) from e
 
 
 def write_savedmodel(model, path, specs):
@@ -273,6 +303,7 @@ def _onnx_out_of_range_nodes(proto):
     return [n.name for n in proto.graph.node if set(n.input) & big]
 
 
+
 def write_onnx(model32, path, specs, dtype):
     import tensorflow as tf
     import tf2onnx
@@ -307,9 +338,18 @@ def write_onnx(model32, path, specs, dtype):
 def run_onnx(path, arrays, specs):
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(
-        path, providers=["CPUExecutionProvider"]
-    )
+    try:
+        session = onnxruntime.InferenceSession(
+            path, providers=["CPUExecutionProvider"]
+        )
+    except Exception as e:
+        raise ValueError(
+            "onnxruntime cannot load the exported ONNX graph "
+            f"({type(e).__name__}: {e}). onnxconverter-common's float16 "
+            "pass leaves mismatched types in some graphs (integer ids cast "
+            "to float, masked softmax); export to 'savedmodel' or 'tflite' "
+            "instead, or pass dtype='float32'."
+        ) from e
     names = [i.name for i in session.get_inputs()]
     n = arrays[0].shape[0]
     outs = None
@@ -333,14 +373,18 @@ _ONNX_TYPES = {
 }
 
 
-def run_keras(path, arrays, reasons):
-    model = keras.saving.load_model(path, compile=False)
+def run_keras(path, arrays):
+    try:
+        model = keras.saving.load_model(path, compile=False)
+    except Exception as e:
+        raise ValueError(
+            f"The exported .keras file does not load back ({type(e).__name__}"
+            f": {e}). Keras rebuilds the model from its get_config(); when "
+            "that round trip does not work, export to 'savedmodel', "
+            "'tflite' or 'onnx' instead, which need no rebuild."
+        ) from e
     outs = predict_keras(model, arrays)
-    kept = {
-        p: reasons.get(p, "float32 when loaded")
-        for p, l in walk(model)
-        if not is_container(l) and l.compute_dtype == "float32"
-    }
+    kept = dict(getattr(model, "kept_float32", {}))
     ins = [dtype for _, _, dtype in input_specs(model)]
     return outs, ins, [str(o.dtype) for o in outs], kept
 

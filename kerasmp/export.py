@@ -250,6 +250,8 @@ def _check_export_args(model, path, format, dtype, overwrite):
             "replace it."
         )
     _half.check_model(model)
+    if format == "keras":
+        _io.check_config(model)
     return path
 
 
@@ -342,16 +344,11 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
         if format == "keras":
             _io.write_keras(half, staged)
             _io.write_keras(model32, baseline)
-            outs, ins, outd, kept = _io.run_keras(staged, arrays, kept)
-            if dtype == "float32":
-                kept = {}
-            if _half.is_graph_model(model):
-                notes = ("on load, layers that a parent layer creates "
-                         "internally take the parent's dtype")
-            else:
-                notes = ("subclassed model: on load, its sublayers take the "
-                         "global dtype policy (the .keras config only holds "
-                         "the model's)")
+            outs, ins, outd, kept = _io.run_keras(staged, arrays)
+            notes = ("a kerasmp.export.HalfModel: load it with kerasmp "
+                     "imported; Keras rebuilds the original model from its "
+                     "config and runs it with the stored half-precision "
+                     "variables")
         elif format == "savedmodel":
             _io.write_savedmodel(half, staged, specs)
             _io.write_savedmodel(model32, baseline, specs)
