@@ -611,6 +611,7 @@ def test_cli_export(trained, tmp_path, capsys):
     assert code == 1
     assert json.loads(captured.out)["max_abs_diff"] > 1e-9
     assert "parity FAILED" in captured.err
+    assert not os.path.exists(tmp_path / "h2.keras")  # gate before commit
     # An existing output without --overwrite: a clear error, exit code 2.
     assert kx.main_export([src, out, "--format", "keras"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
