@@ -6,6 +6,7 @@ Keras for `.keras`, `tf.saved_model.load` for SavedModel, ai_edge_litert for
 TFLite, onnxruntime for ONNX.
 """
 
+import dataclasses
 import os
 import re
 import warnings
@@ -139,16 +140,26 @@ def _flat_outputs(y):
     return [numpy_value(t) for t in keras.tree.flatten(y)]
 
 
-def predict_keras(model, arrays):
+def batched(run_batch, arrays):
+    """Runs `run_batch(list of input slices) -> list of outputs` over
+    `arrays` in batches of 128 and concatenates each output (numpy)."""
     outs = None
     n = arrays[0].shape[0]
     for i in range(0, n, _PREDICT_BATCH):
-        batch = [a[i:i + _PREDICT_BATCH] for a in arrays]
-        y = _flat_outputs(model(pack(model, batch), training=False))
+        y = run_batch([a[i:i + _PREDICT_BATCH] for a in arrays])
+        y = [np.asarray(t) for t in y]
         outs = [[t] for t in y] if outs is None else [
             o + [t] for o, t in zip(outs, y)
         ]
     return [np.concatenate(o) for o in outs]
+
+
+def predict_keras(model, arrays):
+    return batched(
+        lambda batch: _flat_outputs(model(pack(model, batch),
+                                          training=False)),
+        arrays,
+    )
 
 
 def parity(reference, outputs):
@@ -351,16 +362,9 @@ def run_onnx(path, arrays, specs):
             "instead, or pass dtype='float32'."
         ) from e
     names = [i.name for i in session.get_inputs()]
-    n = arrays[0].shape[0]
-    outs = None
-    for i in range(0, n, _PREDICT_BATCH):
-        y = session.run(None, {
-            name: a[i:i + _PREDICT_BATCH] for name, a in zip(names, arrays)
-        })
-        outs = [[t] for t in y] if outs is None else [
-            o + [t] for o, t in zip(outs, y)
-        ]
-    outs = [np.concatenate(o) for o in outs]
+    outs = batched(
+        lambda batch: session.run(None, dict(zip(names, batch))), arrays
+    )
     ins = [_ONNX_TYPES.get(i.type, i.type) for i in session.get_inputs()]
     return outs, ins, [o.dtype.name for o in outs]
 
@@ -394,20 +398,14 @@ def run_savedmodel(path, arrays, specs):
 
     fn = tf.saved_model.load(path).signatures["serving_default"]
     names = [name for name, _, _ in specs]
-    outs, keys = None, None
-    n = arrays[0].shape[0]
-    for i in range(0, n, _PREDICT_BATCH):
-        feed = {
-            name: tf.constant(a[i:i + _PREDICT_BATCH])
-            for name, a in zip(names, arrays)
-        }
-        y = fn(**feed)
-        keys = keys or sorted(y, key=_output_order)
-        batch = [y[k].numpy() for k in keys]
-        outs = [[t] for t in batch] if outs is None else [
-            o + [t] for o, t in zip(outs, batch)
-        ]
-    outs = [np.concatenate(o) for o in outs]
+    keys = []
+
+    def run_batch(batch):
+        y = fn(**{n: tf.constant(a) for n, a in zip(names, batch)})
+        keys[:] = keys or sorted(y, key=_output_order)
+        return [y[k].numpy() for k in keys]
+
+    outs = batched(run_batch, arrays)
     ins = [fn.structured_input_signature[1][n].dtype.name for n in names]
     return outs, ins, [o.dtype.name for o in outs]
 
@@ -431,15 +429,101 @@ def run_tflite(path, arrays, specs):
         interpreter.get_signature_list()["serving_default"]["outputs"],
         key=_output_order,
     )
-    n = arrays[0].shape[0]
-    outs = [[] for _ in out_names]
-    for i in range(0, n, _PREDICT_BATCH):
-        y = runner(**{
-            name: a[i:i + _PREDICT_BATCH] for name, a in zip(names, arrays)
-        })
-        for o, k in zip(outs, out_names):
-            o.append(np.array(y[k]))
-    outs = [np.concatenate(o) for o in outs]
+
+    def run_batch(batch):
+        y = runner(**dict(zip(names, batch)))
+        return [np.array(y[k]) for k in out_names]  # copies
+
+    outs = batched(run_batch, arrays)
     details = runner.get_input_details()
     ins = [np.dtype(details[name]["dtype"]).name for name in names]
     return outs, ins, [o.dtype.name for o in outs]
+
+
+# --------------------------------------------------------------------------
+# The format registry
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportFormat:
+    """One export format: its path rule, needs, writer, reader and help.
+
+    Attributes:
+        name: The `format=` value.
+        suffix: The suffix `path` must end in, or None (a folder).
+        needs_tensorflow: Whether it needs `KERAS_BACKEND=tensorflow`.
+        half_dtypes: The half-precision dtypes it can store.
+        writes_half: True when it writes `to_float16(model)`; False when it
+            writes the float32 model and converts the weights itself
+            (`write(..., dtype)`).
+        write: `(model, path, specs, dtype) -> None`.
+        run: `(path, arrays, specs) -> (outputs, input dtypes, output
+            dtypes, kept)`, `kept` being `{layer path: reason}` read from
+            the artifact, or None when it cannot tell.
+        help: One line for docs and `--help`.
+        notes: `(dtype) -> str`, the report's remark.
+        packages: Python packages it needs (import names).
+    """
+
+    name: str
+    suffix: object
+    needs_tensorflow: bool
+    half_dtypes: tuple
+    writes_half: bool
+    write: object
+    run: object
+    help: str
+    notes: object = None
+    packages: tuple = ()
+
+
+def _keras_notes(dtype):
+    if dtype == "float32":
+        return ""
+    return ("a kerasmp.export.HalfModel: load it with kerasmp imported; "
+            "Keras rebuilds the original model from its config and runs it "
+            "with the stored half-precision variables")
+
+
+REGISTRY = {f.name: f for f in (
+    ExportFormat(
+        name="keras", suffix=".keras", needs_tensorflow=False,
+        half_dtypes=("float16", "bfloat16"), writes_half=True,
+        write=lambda model, path, specs, dtype: write_keras(model, path),
+        run=lambda path, arrays, specs: run_keras(path, arrays),
+        help=".keras file: the model's config + half-precision variables",
+        notes=_keras_notes,
+    ),
+    ExportFormat(
+        name="savedmodel", suffix=None, needs_tensorflow=True,
+        half_dtypes=("float16", "bfloat16"), writes_half=True,
+        write=lambda model, path, specs, dtype: write_savedmodel(
+            model, path, specs),
+        run=lambda path, arrays, specs: (
+            *run_savedmodel(path, arrays, specs), None),
+        help="SavedModel folder, serving_default with float32 inputs",
+    ),
+    ExportFormat(
+        name="tflite", suffix=".tflite", needs_tensorflow=True,
+        half_dtypes=("float16",), writes_half=False,
+        write=write_tflite,
+        run=lambda path, arrays, specs: (
+            *run_tflite(path, arrays, specs), {}),
+        help=".tflite: float32 graph with float16 weights",
+        notes=lambda dtype: ("float32 graph with float16 weights"
+                             if dtype == "float16" else ""),
+    ),
+    ExportFormat(
+        name="onnx", suffix=".onnx", needs_tensorflow=True,
+        half_dtypes=("float16",), writes_half=False,
+        write=write_onnx,
+        run=lambda path, arrays, specs: (*run_onnx(path, arrays, specs), {}),
+        help=".onnx: float16 graph, float32 inputs/outputs "
+             "(extra kerasmp[onnx])",
+        notes=lambda dtype: ("float16 graph with float32 inputs/outputs "
+                             "(onnxconverter-common, keep_io_types=True)"
+                             if dtype == "float16" else ""),
+        packages=ONNX_PACKAGES,
+    ),
+)}

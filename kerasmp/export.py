@@ -55,7 +55,7 @@ from kerasmp import _half
 from kerasmp._half import DTYPES
 from kerasmp._half import FLOAT16_MAX  # noqa: F401  (public constant)
 
-FORMATS = ("keras", "savedmodel", "tflite", "onnx")
+FORMATS = tuple(_io.REGISTRY)  # ("keras", "savedmodel", "tflite", "onnx")
 EXPORT_DTYPES = DTYPES + ("float32",)
 DEFAULT_NUM_SAMPLES = 512
 
@@ -238,7 +238,6 @@ class ParityError(Exception):
 _STAGE_PREFIX = ".kerasmp-export-"
 _STAGE_RE = re.compile(r"\.kerasmp-export-(\d+)-[A-Za-z0-9_]+")
 _LOCK_PREFIX = ".kerasmp-export-lock-"
-_SUFFIXES = {"keras": ".keras", "tflite": ".tflite", "onnx": ".onnx"}
 
 # Test hook: called as `_before_publish(staged, path)` right before the
 # artifact is moved into place (tests pause or kill the process there).
@@ -282,20 +281,23 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None):
             f"Invalid `format`: {format!r}. Allowed values: "
             f"{', '.join(repr(f) for f in FORMATS)}."
         )
+    fmt = _io.REGISTRY[format]
     if dtype is not None:
         _half.check_dtype(dtype, EXPORT_DTYPES)
-        if format in ("tflite", "onnx") and dtype == "bfloat16":
+        allowed = fmt.half_dtypes + ("float32",)
+        if dtype not in allowed:
             raise ValueError(
-                f"Invalid `dtype` 'bfloat16' for format={format!r}: it "
-                "stores half-precision weights as float16 only. Allowed "
-                "values: 'float16', 'float32'."
+                f"Invalid `dtype` {dtype!r} for format={format!r}: it "
+                "stores half-precision weights as "
+                f"{' or '.join(fmt.half_dtypes)} only. Allowed values: "
+                f"{', '.join(repr(d) for d in allowed)}."
             )
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"`path` must be a file path. Received: {path!r}")
     path = os.fspath(path)
     if isinstance(path, bytes):
         raise TypeError(f"`path` must be a str path. Received: {path!r}")
-    suffix = _SUFFIXES.get(format)
+    suffix = fmt.suffix
     if suffix and not path.endswith(suffix):
         raise ValueError(
             f"Invalid `path` for format={format!r}: {path!r} must end in "
@@ -311,20 +313,18 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None):
             f"`path` {path!r} already exists; pass overwrite=True to "
             "replace it."
         )
-    if format == "onnx":
+    if fmt.packages:
         import importlib.util
 
-        missing = [p for p in _io.ONNX_PACKAGES
+        missing = [p for p in fmt.packages
                    if importlib.util.find_spec(p) is None]
         if missing:
             raise ImportError(
-                f"format='onnx' needs {', '.join(missing)}: install the "
+                f"format={format!r} needs {', '.join(missing)}: install the "
                 "optional extra, `pip install kerasmp[onnx]` (tf2onnx, "
                 "onnxconverter-common, onnxruntime)."
             )
-    if format in ("savedmodel", "tflite", "onnx") and (
-        keras.backend.backend() != "tensorflow"
-    ):
+    if fmt.needs_tensorflow and keras.backend.backend() != "tensorflow":
         raise ValueError(
             f"format={format!r} needs the TensorFlow backend, but this "
             f"process runs Keras on {keras.backend.backend()!r}. Set "
@@ -697,47 +697,27 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     else:
         arrays = _io.as_input_list(sample, specs)
 
+    fmt = _io.REGISTRY[format]
     model32, _ = _half.convert(model, "float32")
     reference = _io.predict_keras(model32, arrays)
     if dtype == "float32":
         half, kept = model32, {}
-    elif format in ("tflite", "onnx"):
-        half, kept = None, {}
+    elif not fmt.writes_half:
+        half, kept = model32, {}  # the writer stores the weights in `dtype`
         # No Keras model to convert: run the rules for their warnings.
         _half.decide(model, dtype, _half.keep_rules(model, keep_float32))
     else:
         half, kept = _half.convert(model, dtype, keep_float32)
 
-    notes = ""
     with _Staging(path) as stage:
-        name = stage.name
-        staged = os.path.join(stage.dir, name)
-        baseline = os.path.join(stage.dir, "float32-" + name)
-        if format == "keras":
-            _io.write_keras(half, staged)
-            _io.write_keras(model32, baseline)
-            outs, ins, outd, kept = _io.run_keras(staged, arrays)
-            notes = ("a kerasmp.export.HalfModel: load it with kerasmp "
-                     "imported; Keras rebuilds the original model from its "
-                     "config and runs it with the stored half-precision "
-                     "variables")
-        elif format == "savedmodel":
-            _io.write_savedmodel(half, staged, specs)
-            _io.write_savedmodel(model32, baseline, specs)
-            outs, ins, outd = _io.run_savedmodel(staged, arrays, specs)
-        elif format == "tflite":
-            _io.write_tflite(model32, staged, specs, dtype)
-            _io.write_tflite(model32, baseline, specs, "float32")
-            outs, ins, outd = _io.run_tflite(staged, arrays, specs)
-            if dtype == "float16":
-                notes = "float32 graph with float16 weights"
-        else:
-            _io.write_onnx(model32, staged, specs, dtype)
-            _io.write_onnx(model32, baseline, specs, "float32")
-            outs, ins, outd = _io.run_onnx(staged, arrays, specs)
-            if dtype == "float16":
-                notes = ("float16 graph with float32 inputs/outputs "
-                         "(onnxconverter-common, keep_io_types=True)")
+        staged = os.path.join(stage.dir, stage.name)
+        baseline = os.path.join(stage.dir, "float32-" + stage.name)
+        fmt.write(half, staged, specs, dtype)
+        fmt.write(model32, baseline, specs, "float32")
+        outs, ins, outd, read_kept = fmt.run(staged, arrays, specs)
+        if read_kept is not None:
+            kept = read_kept
+        notes = fmt.notes(dtype) if fmt.notes else ""
         size, size32 = _io.size(staged), _io.size(baseline)
         worst, top1 = _io.parity(reference, outs)
         report = ExportReport(
@@ -777,7 +757,10 @@ def add_arguments(parser):
         "out",
         help="output path (.keras file, SavedModel folder, .tflite, .onnx)",
     )
-    parser.add_argument("--format", choices=FORMATS, default="savedmodel")
+    parser.add_argument(
+        "--format", choices=FORMATS, default="savedmodel",
+        help="; ".join(f"{f.name}: {f.help}" for f in _io.REGISTRY.values()),
+    )
     parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="float16")
     parser.add_argument(
         "--sample",
