@@ -14,14 +14,13 @@ import warnings
 import keras
 import numpy as np
 
-from kerasmp._half import FLOAT16_MAX
 from kerasmp._half import HalfModel
 from kerasmp._half import is_float
 from kerasmp._half import is_graph_model
 from kerasmp._half import numpy_value
 from kerasmp._layers import walk
 
-ONNX_PACKAGES = ("tf2onnx", "onnxconverter_common", "onnxruntime")
+ONNX_PACKAGES = ("tf2onnx", "onnxruntime")
 _PREDICT_BATCH = 128
 
 
@@ -273,7 +272,7 @@ def _onnx_erfc_to_erf(proto):
 
     Keras's exact GELU is `0.5 * x * erfc(-x / sqrt(2))`; tf2onnx writes
     `Erfc`, which is not an ONNX operator, so no runtime loads the model.
-    The graph is float32 here; the constant follows it to float16 later.
+    The constant 1 takes the type of `x` (`CastLike`: float16 or float32).
     """
     from onnx import TensorProto
     from onnx import helper
@@ -293,34 +292,97 @@ def _onnx_erfc_to_erf(proto):
             graph.node.append(n)
             continue
         erf_out = n.output[0] + "_kerasmp_erf"
+        one_like = n.output[0] + "_kerasmp_one"
         graph.node.append(helper.make_node(
             "Erf", [n.input[0]], [erf_out], name=n.name + "_erf"))
         graph.node.append(helper.make_node(
-            "Sub", [one, erf_out], [n.output[0]], name=n.name + "_one_minus"))
+            "CastLike", [one, n.input[0]], [one_like],
+            name=n.name + "_one"))
+        graph.node.append(helper.make_node(
+            "Sub", [one_like, erf_out], [n.output[0]],
+            name=n.name + "_one_minus"))
     return proto
 
 
-def _onnx_out_of_range_nodes(proto):
-    """Names of nodes reading an initializer float16 cannot hold."""
+def _onnx_half_initializers(proto):
+    """Stores as float16 the float32 weights that are only cast to float16.
+
+    The traced graph reads each float16 variable through a cast to float32
+    (the original variable's dtype) and back to float16 (the layer's compute
+    dtype); constant folding keeps the float32 copy. Each such weight holds
+    float16 values exactly, so it is stored in float16 and its casts become
+    identities.
+    """
+    from onnx import TensorProto
+    from onnx import helper
     from onnx import numpy_helper
 
-    big = set()
-    for init in proto.graph.initializer:
+    graph = proto.graph
+    users = {}
+    for n in graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+
+    def to_half(n):
+        return n.op_type == "Cast" and any(
+            a.name == "to" and a.i == TensorProto.FLOAT16
+            for a in n.attribute
+        )
+
+    def gathers_from(n, name):
+        return n.op_type == "Gather" and n.input[0] == name
+
+    after = {}  # gather node name -> the cast that follows it
+    for k, init in enumerate(graph.initializer):
+        consumers = users.get(init.name, [])
+        if init.data_type != TensorProto.FLOAT or not consumers:
+            continue
+        casts = all(to_half(n) for n in consumers)
+        gathers = all(gathers_from(n, init.name) for n in consumers)
+        if not (casts or gathers):
+            continue
         values = numpy_helper.to_array(init)
-        if is_float(values.dtype) and values.size and np.max(
-            np.abs(values.astype(np.float64))
-        ) > FLOAT16_MAX:
-            big.add(init.name)
-    return [n.name for n in proto.graph.node if set(n.input) & big]
+        half = values.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), values):
+            continue  # not float16 values (a float32 weight): keep it
+        graph.initializer[k].CopyFrom(numpy_helper.from_array(half, init.name))
+        for n in consumers:
+            if casts:
+                n.op_type = "Identity"
+                del n.attribute[:]
+                continue
+            # An embedding read in float32 (Keras's Embedding does not
+            # autocast): gather the float16 rows, then cast them, exactly.
+            out = n.output[0]
+            n.output[0] = out + "_kerasmp_f16"
+            after[n.name] = helper.make_node(
+                "Cast", [n.output[0]], [out], to=TensorProto.FLOAT,
+                name=n.name + "_kerasmp_f32")
+    if after:  # keep the nodes in topological order
+        nodes = list(graph.node)
+        del graph.node[:]
+        for n in nodes:
+            graph.node.append(n)
+            if n.name in after:
+                graph.node.append(after[n.name])
+    return proto
 
 
+def write_onnx(model, path, specs):
+    """Converts `model`'s serving function with tf2onnx (opset 17).
 
-def write_onnx(model32, path, specs, dtype):
+    `model` is the half-precision `HalfModel` (or the float32 one): tf2onnx
+    converts its float16 graph as traced, float16 weights included, with
+    the model's float32 inputs and outputs; layers kept in float32 stay so.
+    (Converting the float32 graph to float16 afterwards with
+    onnxconverter-common left type mismatches that onnxruntime refuses in
+    keras-hub backbones: integer ids cast to float, masked softmax.)
+    """
     import tensorflow as tf
     import tf2onnx
     from keras.src.export.tf2onnx_lib import patch_tf2onnx
 
-    _, serve = serving_module(model32, specs)
+    _, serve = serving_module(model, specs)
     signature = [
         tf.TensorSpec(shape, tf.as_dtype(d), name=name)
         for name, shape, d in specs
@@ -331,17 +393,7 @@ def write_onnx(model32, path, specs, dtype):
         proto, _ = tf2onnx.convert.from_function(
             serve, input_signature=signature, opset=17
         )
-    proto = _onnx_erfc_to_erf(proto)
-    if dtype == "float16":
-        from onnxconverter_common import float16
-
-        with warnings.catch_warnings():
-            # One warning per weight below 1e-7, which it rounds to 1e-7.
-            warnings.simplefilter("ignore", UserWarning)
-            proto = float16.convert_float_to_float16(
-                proto, keep_io_types=True,
-                node_block_list=_onnx_out_of_range_nodes(proto),
-            )
+    proto = _onnx_half_initializers(_onnx_erfc_to_erf(proto))
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
 
@@ -356,10 +408,8 @@ def run_onnx(path, arrays, specs):
     except Exception as e:
         raise ValueError(
             "onnxruntime cannot load the exported ONNX graph "
-            f"({type(e).__name__}: {e}). onnxconverter-common's float16 "
-            "pass leaves mismatched types in some graphs (integer ids cast "
-            "to float, masked softmax); export to 'savedmodel' or 'tflite' "
-            "instead, or pass dtype='float32'."
+            f"({type(e).__name__}: {e}); export to 'savedmodel' or "
+            "'tflite' instead."
         ) from e
     names = [i.name for i in session.get_inputs()]
     outs = batched(
@@ -516,14 +566,13 @@ REGISTRY = {f.name: f for f in (
     ),
     ExportFormat(
         name="onnx", suffix=".onnx", needs_tensorflow=True,
-        half_dtypes=("float16",), writes_half=False,
-        write=write_onnx,
-        run=lambda path, arrays, specs: (*run_onnx(path, arrays, specs), {}),
-        help=".onnx: float16 graph, float32 inputs/outputs "
+        half_dtypes=("float16",), writes_half=True,
+        write=lambda model, path, specs, dtype: write_onnx(
+            model, path, specs),
+        run=lambda path, arrays, specs: (
+            *run_onnx(path, arrays, specs), None),
+        help=".onnx: tf2onnx of the float16 graph, float32 inputs/outputs "
              "(extra kerasmp[onnx])",
-        notes=lambda dtype: ("float16 graph with float32 inputs/outputs "
-                             "(onnxconverter-common, keep_io_types=True)"
-                             if dtype == "float16" else ""),
         packages=ONNX_PACKAGES,
     ),
 )}

@@ -139,8 +139,7 @@ class ExportReport:
         top1_agreement: Fraction of inputs with the same argmax over the
             last axis (outputs with more than one unit), or None.
         kept_float32: `{layer path: reason}` of layers computing in float32
-            in the artifact (empty for TFLite, whose graph is all float32,
-            and ONNX, converted node by node).
+            in the artifact (empty for TFLite, whose graph is all float32).
         input_dtypes: dtypes the artifact takes.
         output_dtypes: dtypes the artifact returns.
         num_samples: How many inputs the parity was measured on.
@@ -322,7 +321,7 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None):
             raise ImportError(
                 f"format={format!r} needs {', '.join(missing)}: install the "
                 "optional extra, `pip install kerasmp[onnx]` (tf2onnx, "
-                "onnxconverter-common, onnxruntime)."
+                "onnxruntime)."
             )
     if fmt.needs_tensorflow and keras.backend.backend() != "tensorflow":
         raise ValueError(
@@ -636,10 +635,9 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
       `tf.saved_model.load(path)` serves it without Keras or kerasmp.
     - `"tflite"`: a float32 graph with float16 weights (TFLite cannot run a
       float16 graph); run it with `ai_edge_litert`.
-    - `"onnx"` (optional extra `kerasmp[onnx]`): the float32 graph converted
-      by tf2onnx (exact GELU's `Erfc` rewritten as `1 - Erf`), then to
-      float16 by onnxconverter-common with float32 inputs and outputs; nodes
-      reading a weight beyond the float16 range stay float32.
+    - `"onnx"` (optional extra `kerasmp[onnx]`): the half-precision graph
+      (as for SavedModel) converted by tf2onnx, float16 weights, float32
+      inputs and outputs (exact GELU's `Erfc` rewritten as `1 - Erf`).
 
     Args:
         model: A built `keras.Model` (see `to_float16`).

@@ -538,7 +538,6 @@ def test_onnx_export_with_exact_gelu(trained, tmp_path):
     pytest.importorskip("tf2onnx")
     onnx = pytest.importorskip("onnx")
     onnxruntime = pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxconverter_common")
 
     model = trained("transformer")  # ff1 uses Keras's exact GELU (erfc)
     x = parity_inputs("transformer")
