@@ -6,6 +6,7 @@ Keras for `.keras`, `tf.saved_model.load` for SavedModel, ai_edge_litert for
 TFLite, onnxruntime for ONNX.
 """
 
+import dataclasses
 import os
 import re
 import warnings
@@ -13,14 +14,13 @@ import warnings
 import keras
 import numpy as np
 
-from kerasmp._half import FLOAT16_MAX
-from kerasmp._half import is_container
+from kerasmp._half import HalfModel
 from kerasmp._half import is_float
 from kerasmp._half import is_graph_model
 from kerasmp._half import numpy_value
 from kerasmp._layers import walk
 
-ONNX_PACKAGES = ("tf2onnx", "onnxconverter_common", "onnxruntime")
+ONNX_PACKAGES = ("tf2onnx", "onnxruntime")
 _PREDICT_BATCH = 128
 
 
@@ -33,6 +33,13 @@ def _sanitize(name, i):
 
 def input_specs(model):
     """`[(name, batch_shape, dtype)]` of the model's inputs, flat."""
+    if isinstance(model, HalfModel):
+        specs = input_specs(model.source_model())
+        if model.float16_inputs:
+            specs = [
+                (n, s, "float16" if is_float(d) else d) for n, s, d in specs
+            ]
+        return specs
     first = model._layers[0] if model._layers else None
     if isinstance(model, keras.Sequential) and isinstance(
         first, keras.layers.InputLayer
@@ -121,6 +128,8 @@ def as_input_list(sample, specs):
 
 
 def pack(model, arrays):
+    if isinstance(model, HalfModel):
+        return pack(model.source_model(), arrays)
     if is_graph_model(model) and not isinstance(model, keras.Sequential):
         return keras.tree.pack_sequence_as(model.input, arrays)
     return arrays[0]
@@ -130,16 +139,26 @@ def _flat_outputs(y):
     return [numpy_value(t) for t in keras.tree.flatten(y)]
 
 
-def predict_keras(model, arrays):
+def batched(run_batch, arrays):
+    """Runs `run_batch(list of input slices) -> list of outputs` over
+    `arrays` in batches of 128 and concatenates each output (numpy)."""
     outs = None
     n = arrays[0].shape[0]
     for i in range(0, n, _PREDICT_BATCH):
-        batch = [a[i:i + _PREDICT_BATCH] for a in arrays]
-        y = _flat_outputs(model(pack(model, batch), training=False))
+        y = run_batch([a[i:i + _PREDICT_BATCH] for a in arrays])
+        y = [np.asarray(t) for t in y]
         outs = [[t] for t in y] if outs is None else [
             o + [t] for o, t in zip(outs, y)
         ]
     return [np.concatenate(o) for o in outs]
+
+
+def predict_keras(model, arrays):
+    return batched(
+        lambda batch: _flat_outputs(model(pack(model, batch),
+                                          training=False)),
+        arrays,
+    )
 
 
 def parity(reference, outputs):
@@ -200,7 +219,28 @@ def serving_module(model, specs):
 
 
 def write_keras(model, path):
-    keras.saving.save_model(model, path)
+    try:
+        keras.saving.save_model(model, path)
+    except NotImplementedError as e:
+        raise TypeError(_no_config_message(model, e)) from e
+
+
+def _no_config_message(model, e):
+    source = model.source_model() if isinstance(model, HalfModel) else model
+    return (
+        f"format='keras' needs the model's get_config(): "
+        f"{type(source).__name__} ({source.name!r}) has none usable. Add "
+        "get_config() returning its __init__ arguments, or "
+        "export to 'savedmodel', 'tflite' or 'onnx', which need no config."
+    )
+
+
+def check_config(model):
+    """Raises TypeError early when `model` cannot be saved as `.keras`."""
+    try:
+        keras.saving.serialize_keras_object(model)
+    except NotImplementedError as e:
+        raise TypeError(_no_config_message(model, e)) from e
 
 
 def write_savedmodel(model, path, specs):
@@ -232,7 +272,7 @@ def _onnx_erfc_to_erf(proto):
 
     Keras's exact GELU is `0.5 * x * erfc(-x / sqrt(2))`; tf2onnx writes
     `Erfc`, which is not an ONNX operator, so no runtime loads the model.
-    The graph is float32 here; the constant follows it to float16 later.
+    The constant 1 takes the type of `x` (`CastLike`: float16 or float32).
     """
     from onnx import TensorProto
     from onnx import helper
@@ -252,33 +292,97 @@ def _onnx_erfc_to_erf(proto):
             graph.node.append(n)
             continue
         erf_out = n.output[0] + "_kerasmp_erf"
+        one_like = n.output[0] + "_kerasmp_one"
         graph.node.append(helper.make_node(
             "Erf", [n.input[0]], [erf_out], name=n.name + "_erf"))
         graph.node.append(helper.make_node(
-            "Sub", [one, erf_out], [n.output[0]], name=n.name + "_one_minus"))
+            "CastLike", [one, n.input[0]], [one_like],
+            name=n.name + "_one"))
+        graph.node.append(helper.make_node(
+            "Sub", [one_like, erf_out], [n.output[0]],
+            name=n.name + "_one_minus"))
     return proto
 
 
-def _onnx_out_of_range_nodes(proto):
-    """Names of nodes reading an initializer float16 cannot hold."""
+def _onnx_half_initializers(proto):
+    """Stores as float16 the float32 weights that are only cast to float16.
+
+    The traced graph reads each float16 variable through a cast to float32
+    (the original variable's dtype) and back to float16 (the layer's compute
+    dtype); constant folding keeps the float32 copy. Each such weight holds
+    float16 values exactly, so it is stored in float16 and its casts become
+    identities.
+    """
+    from onnx import TensorProto
+    from onnx import helper
     from onnx import numpy_helper
 
-    big = set()
-    for init in proto.graph.initializer:
+    graph = proto.graph
+    users = {}
+    for n in graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+
+    def to_half(n):
+        return n.op_type == "Cast" and any(
+            a.name == "to" and a.i == TensorProto.FLOAT16
+            for a in n.attribute
+        )
+
+    def gathers_from(n, name):
+        return n.op_type == "Gather" and n.input[0] == name
+
+    after = {}  # gather node name -> the cast that follows it
+    for k, init in enumerate(graph.initializer):
+        consumers = users.get(init.name, [])
+        if init.data_type != TensorProto.FLOAT or not consumers:
+            continue
+        casts = all(to_half(n) for n in consumers)
+        gathers = all(gathers_from(n, init.name) for n in consumers)
+        if not (casts or gathers):
+            continue
         values = numpy_helper.to_array(init)
-        if is_float(values.dtype) and values.size and np.max(
-            np.abs(values.astype(np.float64))
-        ) > FLOAT16_MAX:
-            big.add(init.name)
-    return [n.name for n in proto.graph.node if set(n.input) & big]
+        half = values.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), values):
+            continue  # not float16 values (a float32 weight): keep it
+        graph.initializer[k].CopyFrom(numpy_helper.from_array(half, init.name))
+        for n in consumers:
+            if casts:
+                n.op_type = "Identity"
+                del n.attribute[:]
+                continue
+            # An embedding read in float32 (Keras's Embedding does not
+            # autocast): gather the float16 rows, then cast them, exactly.
+            out = n.output[0]
+            n.output[0] = out + "_kerasmp_f16"
+            after[n.name] = helper.make_node(
+                "Cast", [n.output[0]], [out], to=TensorProto.FLOAT,
+                name=n.name + "_kerasmp_f32")
+    if after:  # keep the nodes in topological order
+        nodes = list(graph.node)
+        del graph.node[:]
+        for n in nodes:
+            graph.node.append(n)
+            if n.name in after:
+                graph.node.append(after[n.name])
+    return proto
 
 
-def write_onnx(model32, path, specs, dtype):
+def write_onnx(model, path, specs):
+    """Converts `model`'s serving function with tf2onnx (opset 17).
+
+    `model` is the half-precision `HalfModel` (or the float32 one): tf2onnx
+    converts its float16 graph as traced, float16 weights included, with
+    the model's float32 inputs and outputs; layers kept in float32 stay so.
+    (Converting the float32 graph to float16 afterwards with
+    onnxconverter-common left type mismatches that onnxruntime refuses in
+    keras-hub backbones: integer ids cast to float, masked softmax.)
+    """
     import tensorflow as tf
     import tf2onnx
     from keras.src.export.tf2onnx_lib import patch_tf2onnx
 
-    _, serve = serving_module(model32, specs)
+    _, serve = serving_module(model, specs)
     signature = [
         tf.TensorSpec(shape, tf.as_dtype(d), name=name)
         for name, shape, d in specs
@@ -289,17 +393,7 @@ def write_onnx(model32, path, specs, dtype):
         proto, _ = tf2onnx.convert.from_function(
             serve, input_signature=signature, opset=17
         )
-    proto = _onnx_erfc_to_erf(proto)
-    if dtype == "float16":
-        from onnxconverter_common import float16
-
-        with warnings.catch_warnings():
-            # One warning per weight below 1e-7, which it rounds to 1e-7.
-            warnings.simplefilter("ignore", UserWarning)
-            proto = float16.convert_float_to_float16(
-                proto, keep_io_types=True,
-                node_block_list=_onnx_out_of_range_nodes(proto),
-            )
+    proto = _onnx_half_initializers(_onnx_erfc_to_erf(proto))
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
 
@@ -307,20 +401,20 @@ def write_onnx(model32, path, specs, dtype):
 def run_onnx(path, arrays, specs):
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(
-        path, providers=["CPUExecutionProvider"]
-    )
+    try:
+        session = onnxruntime.InferenceSession(
+            path, providers=["CPUExecutionProvider"]
+        )
+    except Exception as e:
+        raise ValueError(
+            "onnxruntime cannot load the exported ONNX graph "
+            f"({type(e).__name__}: {e}); export to 'savedmodel' or "
+            "'tflite' instead."
+        ) from e
     names = [i.name for i in session.get_inputs()]
-    n = arrays[0].shape[0]
-    outs = None
-    for i in range(0, n, _PREDICT_BATCH):
-        y = session.run(None, {
-            name: a[i:i + _PREDICT_BATCH] for name, a in zip(names, arrays)
-        })
-        outs = [[t] for t in y] if outs is None else [
-            o + [t] for o, t in zip(outs, y)
-        ]
-    outs = [np.concatenate(o) for o in outs]
+    outs = batched(
+        lambda batch: session.run(None, dict(zip(names, batch))), arrays
+    )
     ins = [_ONNX_TYPES.get(i.type, i.type) for i in session.get_inputs()]
     return outs, ins, [o.dtype.name for o in outs]
 
@@ -333,14 +427,18 @@ _ONNX_TYPES = {
 }
 
 
-def run_keras(path, arrays, reasons):
-    model = keras.saving.load_model(path, compile=False)
+def run_keras(path, arrays):
+    try:
+        model = keras.saving.load_model(path, compile=False)
+    except Exception as e:
+        raise ValueError(
+            f"The exported .keras file does not load back ({type(e).__name__}"
+            f": {e}). Keras rebuilds the model from its get_config(); when "
+            "that round trip does not work, export to 'savedmodel', "
+            "'tflite' or 'onnx' instead, which need no rebuild."
+        ) from e
     outs = predict_keras(model, arrays)
-    kept = {
-        p: reasons.get(p, "float32 when loaded")
-        for p, l in walk(model)
-        if not is_container(l) and l.compute_dtype == "float32"
-    }
+    kept = dict(getattr(model, "kept_float32", {}))
     ins = [dtype for _, _, dtype in input_specs(model)]
     return outs, ins, [str(o.dtype) for o in outs], kept
 
@@ -350,20 +448,14 @@ def run_savedmodel(path, arrays, specs):
 
     fn = tf.saved_model.load(path).signatures["serving_default"]
     names = [name for name, _, _ in specs]
-    outs, keys = None, None
-    n = arrays[0].shape[0]
-    for i in range(0, n, _PREDICT_BATCH):
-        feed = {
-            name: tf.constant(a[i:i + _PREDICT_BATCH])
-            for name, a in zip(names, arrays)
-        }
-        y = fn(**feed)
-        keys = keys or sorted(y, key=_output_order)
-        batch = [y[k].numpy() for k in keys]
-        outs = [[t] for t in batch] if outs is None else [
-            o + [t] for o, t in zip(outs, batch)
-        ]
-    outs = [np.concatenate(o) for o in outs]
+    keys = []
+
+    def run_batch(batch):
+        y = fn(**{n: tf.constant(a) for n, a in zip(names, batch)})
+        keys[:] = keys or sorted(y, key=_output_order)
+        return [y[k].numpy() for k in keys]
+
+    outs = batched(run_batch, arrays)
     ins = [fn.structured_input_signature[1][n].dtype.name for n in names]
     return outs, ins, [o.dtype.name for o in outs]
 
@@ -387,15 +479,100 @@ def run_tflite(path, arrays, specs):
         interpreter.get_signature_list()["serving_default"]["outputs"],
         key=_output_order,
     )
-    n = arrays[0].shape[0]
-    outs = [[] for _ in out_names]
-    for i in range(0, n, _PREDICT_BATCH):
-        y = runner(**{
-            name: a[i:i + _PREDICT_BATCH] for name, a in zip(names, arrays)
-        })
-        for o, k in zip(outs, out_names):
-            o.append(np.array(y[k]))
-    outs = [np.concatenate(o) for o in outs]
+
+    def run_batch(batch):
+        y = runner(**dict(zip(names, batch)))
+        return [np.array(y[k]) for k in out_names]  # copies
+
+    outs = batched(run_batch, arrays)
     details = runner.get_input_details()
     ins = [np.dtype(details[name]["dtype"]).name for name in names]
     return outs, ins, [o.dtype.name for o in outs]
+
+
+# --------------------------------------------------------------------------
+# The format registry
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportFormat:
+    """One export format: its path rule, needs, writer, reader and help.
+
+    Attributes:
+        name: The `format=` value.
+        suffix: The suffix `path` must end in, or None (a folder).
+        needs_tensorflow: Whether it needs `KERAS_BACKEND=tensorflow`.
+        half_dtypes: The half-precision dtypes it can store.
+        writes_half: True when it writes `to_float16(model)`; False when it
+            writes the float32 model and converts the weights itself
+            (`write(..., dtype)`).
+        write: `(model, path, specs, dtype) -> None`.
+        run: `(path, arrays, specs) -> (outputs, input dtypes, output
+            dtypes, kept)`, `kept` being `{layer path: reason}` read from
+            the artifact, or None when it cannot tell.
+        help: One line for docs and `--help`.
+        notes: `(dtype) -> str`, the report's remark.
+        packages: Python packages it needs (import names).
+    """
+
+    name: str
+    suffix: object
+    needs_tensorflow: bool
+    half_dtypes: tuple
+    writes_half: bool
+    write: object
+    run: object
+    help: str
+    notes: object = None
+    packages: tuple = ()
+
+
+def _keras_notes(dtype):
+    if dtype == "float32":
+        return ""
+    return ("a kerasmp.export.HalfModel: load it with kerasmp imported; "
+            "Keras rebuilds the original model from its config and runs it "
+            "with the stored half-precision variables")
+
+
+REGISTRY = {f.name: f for f in (
+    ExportFormat(
+        name="keras", suffix=".keras", needs_tensorflow=False,
+        half_dtypes=("float16", "bfloat16"), writes_half=True,
+        write=lambda model, path, specs, dtype: write_keras(model, path),
+        run=lambda path, arrays, specs: run_keras(path, arrays),
+        help=".keras file: the model's config + half-precision variables",
+        notes=_keras_notes,
+    ),
+    ExportFormat(
+        name="savedmodel", suffix=None, needs_tensorflow=True,
+        half_dtypes=("float16", "bfloat16"), writes_half=True,
+        write=lambda model, path, specs, dtype: write_savedmodel(
+            model, path, specs),
+        run=lambda path, arrays, specs: (
+            *run_savedmodel(path, arrays, specs), None),
+        help="SavedModel folder, serving_default with float32 inputs",
+    ),
+    ExportFormat(
+        name="tflite", suffix=".tflite", needs_tensorflow=True,
+        half_dtypes=("float16",), writes_half=False,
+        write=write_tflite,
+        run=lambda path, arrays, specs: (
+            *run_tflite(path, arrays, specs), {}),
+        help=".tflite: float32 graph with float16 weights",
+        notes=lambda dtype: ("float32 graph with float16 weights"
+                             if dtype == "float16" else ""),
+    ),
+    ExportFormat(
+        name="onnx", suffix=".onnx", needs_tensorflow=True,
+        half_dtypes=("float16",), writes_half=True,
+        write=lambda model, path, specs, dtype: write_onnx(
+            model, path, specs),
+        run=lambda path, arrays, specs: (
+            *run_onnx(path, arrays, specs), None),
+        help=".onnx: tf2onnx of the float16 graph, float32 inputs/outputs "
+             "(extra kerasmp[onnx])",
+        packages=ONNX_PACKAGES,
+    ),
+)}

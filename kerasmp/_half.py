@@ -1,17 +1,27 @@
-"""Rebuilds a Keras model in half precision, keeping fragile layers float32.
+"""Half-precision copies of a Keras model that never rebuild it.
 
-The engine behind `kerasmp.export.to_float16`. A model is rebuilt layer by
-layer (from each layer's config, or the model's for a subclassed model)
-while the global dtype policy is a `kerasmp.Policy` in the target dtype whose
-float32 rules are the layers to keep; kerasmp's policy hook resolves it per
-layer, so sublayers that a parent creates in `build()` (the Softmax in
-`MultiHeadAttention`) follow the rules too. Layers the original keeps for a
-reason only it can tell (a weight beyond the float16 range) get a float32
-policy before they are built. Afterwards every policy is frozen to the plain
-`keras.DTypePolicy` it resolved to, so the copy no longer depends on kerasmp,
-and the float32 master weights are copied in, rounded once.
+The engine behind `kerasmp.export.to_float16`. Rebuilding a model from its
+config to change its dtypes fails for models whose get_config()/from_config()
+do not reproduce them (some keras-hub backbones) and cannot pair the layers of
+models that create them in another order than they call them. So nothing is
+rebuilt: a `HalfModel` holds half-precision copies of the original model's
+variables (float32 where a layer is kept) and, when called, runs the original
+model's own `call` with
+
+- every original variable read replaced by its copy (`keras.StatelessScope`:
+  the originals are neither read nor changed), and
+- every layer's dtype policy temporarily set to a plain
+  `keras.DTypePolicy`: `mixed_<dtype>` (float16 compute) or `float32` for the
+  kept layers, restored on exit.
+
+The original model is held but not tracked, so saving or exporting the
+`HalfModel` stores only its half-precision variables. Layers are matched to
+their variables by object identity on the original model, and by position
+within the same class's own construction order when a `.keras` file is
+loaded (the same code builds them in the same order).
 """
 
+import functools
 import re
 import warnings
 
@@ -173,217 +183,305 @@ def decide(model, dtype, rules):
     return kept, out_of_range
 
 
-class _Cloner:
-    """Rebuilds a model layer by layer with new dtype policies."""
 
-    def __init__(self, dtype, build_policy, kept, half_inputs):
-        self.dtype = dtype
-        self.build_policy = build_policy
-        self.kept = kept
-        self.half_inputs = half_inputs
-        self.float32 = keras.DTypePolicy("float32")
-        self.cache = {}
+def unique_variables(model):
+    """`model.variables`, each once (tied weights appear twice)."""
+    seen, out = set(), []
+    for v in model.variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
 
-    def policy_for(self, layer):
-        return self.float32 if id(layer) in self.kept else self.build_policy
 
-    def input_dtype(self, dtype, top):
-        if top and self.half_inputs and is_float(dtype):
-            return self.dtype
-        return dtype
+def _policy_name(layer):
+    """The dtype policy name a layer has now, or None if not a float one."""
+    policy = _policy.stored_policy(layer)
+    if policy is None or getattr(policy, "quantization_mode", None):
+        return None
+    if isinstance(layer, keras.layers.InputLayer):
+        return None
+    return policy.name if is_float(layer.compute_dtype) else None
 
-    def clone_layer(self, layer):
-        if id(layer) in self.cache:
-            return self.cache[id(layer)]
-        if not isinstance(layer, keras.layers.Layer):
-            new = layer  # an op node (`x + y`): stateless, no dtype policy
-        elif is_graph_model(layer):
-            new = self.clone_model(layer, top=False)
+
+def plan(model, dtype, keep_float32=None):
+    """Decides the dtypes of a half-precision copy of `model`.
+
+    Returns:
+        A dict with `variable_dtypes` (one per `unique_variables(model)`),
+        `layer_policies` (one per `[model] + walk(model)` layer: a plain
+        policy name, or None to leave the layer alone) and `kept_float32`
+        (`{path: reason}` of the non-container layers computing in float32).
+    """
+    check_model(model)
+    rules = keep_rules(model, keep_float32)
+    kept, _ = decide(model, dtype, rules)
+    layers = [("", model)] + list(walk(model))
+    owner = {}
+    for _, layer in layers:
+        for v in own_variables(layer):
+            owner.setdefault(id(v), layer)
+    half = f"mixed_{dtype}" if dtype != "float32" else "float32"
+    layer_policies = []
+    for _, layer in layers:
+        if _policy_name(layer) is None:
+            layer_policies.append(None)
         else:
-            try:
-                config = layer.get_config()
-            except NotImplementedError as e:
-                raise TypeError(
-                    f"Cannot rebuild layer {layer.name!r} "
-                    f"({type(layer).__name__}) in half precision: it has no "
-                    "usable get_config(). Implement get_config() (and "
-                    f"from_config() if needed) on {type(layer).__name__}."
-                ) from e
-            policy = self.policy_for(layer)
-            if "dtype" in config:
-                config = dict(config, dtype=policy)
-            new = layer.__class__.from_config(config)
-            new._dtype_policy = policy
-        self.cache[id(layer)] = new
-        return new
-
-    def clone_model(self, model, top=True):
-        if isinstance(model, keras.Sequential):
-            return self._clone_sequential(model, top)
-        if is_graph_model(model):
-            return self._clone_functional(model, top)
-        return self._clone_subclassed(model)
-
-    def _clone_sequential(self, model, top):
-        layers = list(model.layers)
-        first = model._layers[0] if model._layers else None
-        if isinstance(first, keras.layers.InputLayer):
-            inputs = keras.Input(
-                batch_shape=first.batch_shape,
-                dtype=self.input_dtype(first.output.dtype, top),
-                name=first.name,
-            )
+            layer_policies.append("float32" if id(layer) in kept else half)
+    variable_dtypes = []
+    for v in unique_variables(model):
+        layer = owner.get(id(v))
+        if not is_float(v.dtype):
+            variable_dtypes.append(str(v.dtype))
+        elif dtype == "float32" or (layer is not None and id(layer) in kept):
+            variable_dtypes.append("float32")
+        elif dtype == "float16" and _beyond_float16(v):
+            variable_dtypes.append("float32")
         else:
-            build = model.get_build_config() or {}
-            if "input_shape" not in build:
-                raise ValueError(
-                    f"Cannot find the input shape of Sequential model "
-                    f"{model.name!r}; give it a keras.Input first layer."
-                )
-            inputs = keras.Input(
-                batch_shape=build["input_shape"],
-                dtype=self.input_dtype("float32", top),
-            )
-        new_layers = [self.clone_layer(l) for l in layers]
-        new = keras.Sequential([inputs] + new_layers, name=model.name)
-        new._dtype_policy = self.policy_for(model)
-        return new
+            variable_dtypes.append(dtype)
+    kept_float32 = {
+        path: kept[id(layer)]
+        for path, layer in layers[1:]
+        if id(layer) in kept and not is_container(layer)
+    }
+    return {
+        "variable_dtypes": variable_dtypes,
+        "layer_policies": layer_policies,
+        "kept_float32": kept_float32,
+    }
 
-    def _clone_functional(self, model, top):
-        inputs = keras.tree.map_structure(
-            lambda x: keras.Input(
-                batch_shape=x.shape,
-                dtype=self.input_dtype(x.dtype, top),
-                name=x.name,
+
+def _beyond_float16(v):
+    values = numpy_value(v)
+    if not values.size:
+        return False
+    peak = float(np.max(np.abs(values.astype(np.float64))))
+    return bool(np.isfinite(peak) and peak > FLOAT16_MAX)
+
+
+class _Hidden:
+    """Holds what a HalfModel must not track or save."""
+
+    __slots__ = ("source", "layers", "pairs")
+
+    def __init__(self, source, layers):
+        self.source = source
+        self.layers = layers
+        self.pairs = []
+
+
+@keras.saving.register_keras_serializable(package="kerasmp")
+class HalfModel(keras.Model):
+    """A half-precision copy of a model that runs the original's code.
+
+    Made by `kerasmp.export.to_float16`; see the module docstring for how it
+    works. Its variables are the half-precision copies (float32 for kept
+    layers), so `model.weights`, saving and exporting see only those; the
+    original model is `source_model()` and is never modified.
+
+    Args:
+        source: The original, built `keras.Model`.
+        variable_dtypes: One dtype per variable of `source` (in
+            `unique_variables` order).
+        layer_policies: One plain policy name (or None) per layer of
+            `[source] + walk(source)`.
+        kept_float32: `{layer path: reason}` for the report.
+        float16_inputs: Whether the model's float inputs are declared half
+            precision (its serving signature takes them so).
+        values: Optional initial values, one per variable (numpy arrays).
+    """
+
+    def __init__(self, source, variable_dtypes, layer_policies,
+                 kept_float32=None, float16_inputs=False, values=None,
+                 **kwargs):
+        kwargs.setdefault("name", source.name)
+        kwargs["dtype"] = "float32"
+        super().__init__(**kwargs)
+        sources = unique_variables(source)
+        layers = [source] + [l for _, l in walk(source)]
+        if len(sources) != len(variable_dtypes) or len(layers) != len(
+            layer_policies
+        ):
+            raise ValueError(
+                f"HalfModel: model {source.name!r} has {len(sources)} "
+                f"variables and {len(layers)} layers, but the saved copy "
+                f"describes {len(variable_dtypes)} and {len(layer_policies)}"
+                ": its get_config()/from_config() do not rebuild the same "
+                "model. Export it to 'savedmodel', 'tflite' or 'onnx' "
+                "instead."
+            )
+        # Hidden on purpose in a plain object: Keras tracking and `.keras`
+        # saving (which walks attributes, lists and properties) must not
+        # store its float32 variables, only the copies below.
+        object.__setattr__(self, "_hidden", _Hidden(source, layers))
+        self.variable_dtypes = list(variable_dtypes)
+        self.layer_policies = list(layer_policies)
+        self.kept_float32 = dict(kept_float32 or {})
+        self.float16_inputs = bool(float16_inputs)
+        copies = []
+        for i, (v, dt) in enumerate(zip(sources, variable_dtypes)):
+            copies.append(self.add_weight(
+                shape=tuple(v.shape), dtype=dt, initializer="zeros",
+                trainable=False, name=v.name,
+            ))
+        self._hidden.pairs = list(zip(sources, copies))
+        if values is not None:
+            for (_, c), value in zip(self._hidden.pairs, values):
+                c.assign(np.asarray(value).astype(c.dtype))
+        self.built = True
+
+    def source_model(self):
+        """The original model (not tracked, never modified).
+
+        A method, not an attribute: `.keras` saving stores what attributes
+        and properties hold.
+        """
+        return self._hidden.source
+
+    def variable_dtype_map(self):
+        """`{"layer path/variable name": dtype of its copy}`.
+
+        The layer path is as in `layer_compute_dtypes` (`"mha/query"`).
+        """
+        names = {}
+        for path, layer in walk(self._hidden.source):
+            for v in own_variables(layer):
+                names.setdefault(id(v), f"{path}/{v.name}")
+        return {
+            names.get(id(s), s.path): str(c.dtype)
+            for s, c in self._hidden.pairs
+        }
+
+    def layer_compute_dtypes(self):
+        """`{layer path: compute dtype}` of the layers, as it runs them."""
+        paths = [""] + [p for p, _ in walk(self._hidden.source)]
+        out = {}
+        for path, layer, name in zip(
+            paths, self._hidden.layers, self.layer_policies
+        ):
+            if path and not is_container(layer):
+                out[path] = (keras.DTypePolicy(name).compute_dtype
+                             if name else layer.compute_dtype)
+        return out
+
+    def call(self, inputs, training=False):
+        mapping = [
+            (s, keras.ops.cast(c.value, s.dtype)) for s, c in self._hidden.pairs
+        ]
+        saved, patched = [], []
+        try:
+            for layer, name in zip(self._hidden.layers, self.layer_policies):
+                if name is None:
+                    continue
+                saved.append((layer, _policy.stored_policy(layer)))
+                layer._dtype_policy = keras.DTypePolicy(name)
+            for layer, dtype in self._handback():
+                patched.append((layer, layer.__dict__.get("call")))
+                object.__setattr__(layer, "call", _handing_back(layer, dtype))
+            with keras.StatelessScope(state_mapping=mapping):
+                outputs = self._hidden.source(inputs, training=training)
+        finally:
+            for layer, call in reversed(patched):
+                if call is None:
+                    layer.__dict__.pop("call", None)
+                else:
+                    object.__setattr__(layer, "call", call)
+            for layer, policy in reversed(saved):
+                layer._dtype_policy = policy
+        if self.float16_inputs:
+            return outputs
+        return keras.tree.map_structure(_to_float32, outputs)
+
+    def _handback(self):
+        """`(layer, dtype)`: the float32 layers whose float32 outputs go
+        back to a half-precision parent, cast to its compute dtype.
+
+        A layer kept in float32 inside a half-precision layer hands its
+        output back in the parent's dtype, which the parent's own code
+        (`x + residual` on backend tensors) expects. Top-level layers of a
+        Functional or Sequential model need no cast: Keras casts each
+        layer's inputs itself, and op nodes promote.
+        """
+        paths = [""] + [p for p, _ in walk(self._hidden.source)]
+        index = {p: i for i, p in enumerate(paths)}
+        graph = is_graph_model(self._hidden.source)
+        out = []
+        for path, layer, name in zip(
+            paths, self._hidden.layers, self.layer_policies
+        ):
+            if not path or name != "float32":
+                continue
+            parent = path.rsplit("/", 1)[0] if "/" in path else ""
+            if not parent and graph:
+                continue
+            p_layer = self._hidden.layers[index[parent]]
+            p_name = self.layer_policies[index[parent]]
+            dtype = (keras.DTypePolicy(p_name).compute_dtype if p_name
+                     else p_layer.compute_dtype)
+            if dtype != "float32" and is_float(dtype):
+                out.append((layer, dtype))
+        return out
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "source": keras.saving.serialize_keras_object(
+                self._hidden.source
             ),
-            model.input,
-        )
-        outputs = model._run_through_graph(
-            inputs, operation_fn=self.clone_layer
-        )
-        # A plain keras.Model: no compile state, whatever `model` carried.
-        new = keras.Model(inputs, outputs, name=model.name)
-        new._dtype_policy = self.policy_for(model)
-        return new
+            "variable_dtypes": list(self.variable_dtypes),
+            "layer_policies": list(self.layer_policies),
+            "kept_float32": dict(self.kept_float32),
+            "float16_inputs": self.float16_inputs,
+        }
 
-    def _clone_subclassed(self, model):
-        cls = type(model)
-        try:
-            config = model.get_config()
-        except NotImplementedError as e:
-            raise TypeError(
-                f"Cannot rebuild subclassed model {model.name!r} "
-                f"({cls.__name__}) in half precision: it has no usable "
-                f"get_config(). Add get_config() to {cls.__name__} returning "
-                "its __init__ arguments (and from_config() if they are not "
-                "plain Python values), as for saving it to .keras."
-            ) from e
-        if "dtype" in config:
-            config = dict(config, dtype=self.build_policy)
-        try:
-            new = cls.from_config(config)
-        except Exception as e:
-            raise TypeError(
-                f"Cannot rebuild subclassed model {model.name!r} "
-                f"({cls.__name__}) from its get_config(): "
-                f"{type(e).__name__}: {e}. Make get_config() return every "
-                f"__init__ argument (and add from_config() to "
-                f"{cls.__name__} if they are not plain Python values)."
-            ) from e
-        # Sublayers made in __init__ exist now, unbuilt: set the policy of
-        # those the original keeps in float32 before build makes variables.
-        self._pair_unbuilt(model, new)
-        build = model.get_build_config() or {}
-        if "input_shape" in build:
-            shape = tuple(1 if d is None else d for d in build["input_shape"])
-            new(np.zeros(shape, "float32"))
-        else:
-            new.build_from_config(build)
-        return new
-
-    def _pair_unbuilt(self, orig, new):
-        for o, n in zip(orig._layers, new._layers):
-            if type(o) is not type(n):
-                return
-            if id(o) in self.kept:
-                n._dtype_policy = self.float32
-            self._pair_unbuilt(o, n)
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        source = keras.saving.deserialize_keras_object(config.pop("source"))
+        if not source.built:
+            raise ValueError(
+                f"HalfModel: the saved model {source.name!r} could not be "
+                "built again from its config (no build config)."
+            )
+        return cls(source, **config)
 
 
-def _pair_layers(orig, new):
-    """Pairs the sublayers of two models of the same structure."""
-    a, b = list(walk(orig)), list(walk(new))
-    mismatch = len(a) != len(b) or any(
-        type(x) is not type(y) for (_, x), (_, y) in zip(a, b)
-    )
-    if mismatch:
-        raise ValueError(
-            f"The rebuilt model does not have the layers of {orig.name!r} "
-            f"({len(a)} layers in the original, {len(b)} rebuilt): its "
-            "get_config()/from_config() do not reproduce it."
-        )
-    return [(pa, x, y) for (pa, x), (_, y) in zip(a, b)]
+def _dtype_of(x):
+    if not hasattr(x, "dtype"):
+        return None
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def _to_float32(x):
+    dtype = _dtype_of(x)
+    if dtype is not None and is_float(dtype) and dtype != "float32":
+        return keras.ops.cast(x, "float32")
+    return x
+
+
+def _handing_back(layer, dtype):
+    """`layer.call` with its float32 outputs cast to `dtype`."""
+    call = type(layer).call.__get__(layer)
+
+    def cast(x):
+        if _dtype_of(x) == "float32":
+            return keras.ops.cast(x, dtype)
+        return x
+
+    @functools.wraps(call)
+    def wrapped(*args, **kwargs):
+        return keras.tree.map_structure(cast, call(*args, **kwargs))
+
+    return wrapped
 
 
 def convert(model, dtype, keep_float32=None, float16_inputs=False):
-    """Returns `(new model, {path: reason} of layers kept in float32)`."""
-    check_model(model)
-    rules = keep_rules(model, keep_float32)
-    kept, out_of_range = decide(model, dtype, rules)
-    # Weight-range keeps also become name rules, so that a nested layer that
-    # its parent creates in build() (invisible to the cloner) still gets them.
-    names = [
-        re.escape(layer.name)
-        for _, layer in walk(model)
-        if id(layer) in out_of_range
-    ]
-    build_policy = _policy.Policy(
-        dtype, float32_layers=rules + tuple(names) if dtype != "float32" else ()
+    """Returns `(HalfModel, {path: reason} of layers kept in float32)`."""
+    p = plan(model, dtype, keep_float32)
+    values = [numpy_value(v) for v in unique_variables(model)]
+    half = HalfModel(
+        model, p["variable_dtypes"], p["layer_policies"],
+        kept_float32=p["kept_float32"], float16_inputs=float16_inputs,
+        values=values,
     )
-    cloner = _Cloner(dtype, build_policy, kept, float16_inputs)
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(build_policy)
-    try:
-        new = cloner.clone_model(model)
-    finally:
-        keras.config.set_dtype_policy(previous)
-
-    # Freeze: replace every kerasmp policy by the plain policy it resolves to,
-    # so the model no longer depends on kerasmp to compute as it does now.
-    for layer in [new] + [l for _, l in walk(new)]:
-        stored = _policy.stored_policy(layer)
-        if isinstance(stored, _policy.Policy):
-            layer._dtype_policy = _plain(layer.dtype_policy)
-
-    report = {}
-    for path, o, n in _pair_layers(model, new):
-        ov, nv = own_variables(o), own_variables(n)
-        if len(ov) != len(nv) or any(
-            tuple(a.shape) != tuple(b.shape) for a, b in zip(ov, nv)
-        ):
-            raise ValueError(
-                f"Layer {path!r} was rebuilt with different weights "
-                f"({[tuple(v.shape) for v in ov]} vs "
-                f"{[tuple(v.shape) for v in nv]})."
-            )
-        reason = kept.get(id(o))
-        if id(o) in out_of_range:
-            wrong = [v.name for v in nv if is_float(v.dtype)
-                     and v.dtype != "float32"]
-            if wrong:
-                raise ValueError(
-                    f"Layer {path!r} must stay float32 ({reason}) but its "
-                    f"parent created it with dtype {n.dtype_policy.name!r}. "
-                    "Keep its parent in float32: pass its name in "
-                    "`keep_float32`."
-                )
-        for a, b in zip(ov, nv):
-            value = keras.ops.convert_to_tensor(numpy_value(a))
-            b.assign(keras.ops.cast(value, b.dtype))
-        if (
-            dtype != "float32"
-            and not is_container(n)
-            and n.compute_dtype == "float32"
-        ):
-            report[path] = reason or "explicit float32 dtype"
-    return new, report
+    return half, p["kept_float32"]

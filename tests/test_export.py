@@ -20,9 +20,8 @@ import pytest
 from keras import layers
 
 from kerasmp import export as kx
+from kerasmp._export_formats import input_specs
 from kerasmp._export_formats import size as artifact_size
-from kerasmp._half import own_variables
-from kerasmp._layers import walk
 from kerasmp.policy import Policy
 from kerasmp.policy import policy_scope
 
@@ -154,22 +153,24 @@ def test_to_float16_dtypes_and_kept_layers(trained, name):
     model = trained(name)
     half = kx.to_float16(model)
 
+    # The copy's variables, by the original variable's path: float32 for
+    # the kept layers, float16 for the others.
+    var_dtypes = half.variable_dtype_map()
     kept, half_layers = set(), 0
-    for path, layer in walk(half):
-        if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
-            continue
-        own = own_variables(layer)
-        if layer.compute_dtype == "float32":
+    for path, dtype in half.layer_compute_dtypes().items():
+        own = [d for p, d in var_dtypes.items()
+               if p.rsplit("/", 1)[0] == path]
+        if dtype == "float32":
             kept.add(_unsuffixed(path))
-            assert all(v.dtype == "float32" for v in own)
+            assert all(d == "float32" for d in own)
         else:
-            assert layer.compute_dtype == "float16"
-            assert all(v.dtype == "float16" for v in own)
+            assert dtype == "float16"
+            assert all(d == "float16" for d in own)
             half_layers += 1
     assert kept == EXPECTED_KEPT[name]
+    assert {_unsuffixed(p) for p in half.kept_float32} == kept
     assert half_layers >= 5
     # float32 inputs, and the original model is untouched.
-    assert [x.dtype for x in half.inputs] == ["float32"]
     assert all(v.dtype == "float32" for v in model.weights)
     assert not half.compiled
     # Half the bytes, give or take the kept layers.
@@ -186,10 +187,13 @@ def test_to_float16_dtypes_and_kept_layers(trained, name):
 def test_float16_inputs_and_bfloat16(trained):
     model = trained("cnn")
     half = kx.to_float16(model, float16_inputs=True)
-    assert [x.dtype for x in half.inputs] == ["float16"]
+    assert [d for _, _, d in input_specs(half)] == ["float16"]
+    x16 = parity_inputs("cnn")[:8].astype("float16")
+    assert np.all(np.isfinite(half.predict(x16, verbose=0)))
     bf16 = kx.to_float16(model, dtype="bfloat16")
-    assert bf16.get_layer("fc1").kernel.dtype == "bfloat16"
-    assert bf16.get_layer("bn0").moving_variance.dtype == "float32"
+    var_dtypes = bf16.variable_dtype_map()
+    assert var_dtypes["fc1/kernel"] == "bfloat16"
+    assert var_dtypes["bn0/moving_variance"] == "float32"
     ref = float32_reference("cnn", model)
     x = parity_inputs("cnn")[:64]
     diff = np.abs(bf16.predict(x, verbose=0) - ref.predict(x, verbose=0))
@@ -238,10 +242,11 @@ def test_batchnorm_beyond_float16_range_is_kept_in_float32():
     # with a warning naming the layer and the weight.
     with pytest.warns(UserWarning, match=r"'bn'.*moving_variance.*65504"):
         half = kx.to_float16(model, keep_float32=())
-    bn = half.get_layer("bn")
-    assert bn.compute_dtype == "float32"
-    assert all(v.dtype == "float32" for v in bn.weights)
-    assert half.get_layer("dense").kernel.dtype == "float16"
+    assert half.layer_compute_dtypes()["bn"] == "float32"
+    var_dtypes = half.variable_dtype_map()
+    assert all(d == "float32" for p, d in var_dtypes.items()
+               if p.startswith("bn/"))
+    assert var_dtypes["dense/kernel"] == "float16"
     out = half.predict(x, verbose=0)
     np.testing.assert_allclose(out, ref, rtol=2e-3, atol=0.5)
     # (|ref| reaches ~800: float16 inputs to the BN carry ~0.05% error.)
@@ -329,10 +334,11 @@ def test_nested_op_nodes_and_subclassed(kind):
     ref = ref_model.predict(x, verbose=0)
 
     half = kx.to_float16(model)
+    var_dtypes = half.variable_dtype_map()
     dtypes = {
-        path: (layer.compute_dtype, [v.dtype for v in layer.weights])
-        for path, layer in walk(half)
-        if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
+        path: (dtype, [d for p, d in var_dtypes.items()
+                       if p.rsplit("/", 1)[0] == path])
+        for path, dtype in half.layer_compute_dtypes().items()
     }
     if kind == "subclassed":
         assert sorted(d[0] for d in dtypes.values()) == [
@@ -344,19 +350,26 @@ def test_nested_op_nodes_and_subclassed(kind):
         assert dtypes["logits"][0] == "float16"
         assert dtypes["probs"][0] == "float32"
         # The block's own sublayers: created in build(), resolved by rule.
-        block = {p.split("/")[1].rstrip("_0123456789"): d
+        block = {p.split("/")[1].rstrip("_0123456789"): d[0]
                  for p, d in dtypes.items() if p.startswith("block/")}
-        assert block["dense"] == ("float16", ["float16"] * 2)
-        assert block["layer_normalization"] == ("float32", ["float32"] * 2)
+        assert block["dense"] == "float16"
+        assert block["layer_normalization"] == "float32"
     out = half.predict(x, verbose=0)
     np.testing.assert_allclose(out, ref, atol=5e-3)
 
 
-def test_subclassed_without_get_config_is_rejected():
+def test_subclassed_without_get_config(tmp_path):
+    # No config is needed for a half-precision copy (nothing is rebuilt)...
     model = NoConfigNet(np.arange(3))
-    model(np.zeros((2, 4), "float32"))
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype("float32")
+    ref = keras.ops.convert_to_numpy(model(x))
+    half = kx.to_float16(model)
+    assert set(half.variable_dtype_map().values()) == {"float16"}
+    np.testing.assert_allclose(half.predict(x, verbose=0), ref, atol=1e-2)
+    # ... but a .keras file is rebuilt from it: refused up front.
     with pytest.raises(TypeError, match=r"NoConfigNet.*get_config"):
-        kx.to_float16(model)
+        kx.export(model, str(tmp_path / "m.keras"), format="keras")
+    assert os.listdir(tmp_path) == []
 
 
 def test_unbuilt_and_bad_arguments_are_rejected(tmp_path):
@@ -525,7 +538,6 @@ def test_onnx_export_with_exact_gelu(trained, tmp_path):
     pytest.importorskip("tf2onnx")
     onnx = pytest.importorskip("onnx")
     onnxruntime = pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxconverter_common")
 
     model = trained("transformer")  # ff1 uses Keras's exact GELU (erfc)
     x = parity_inputs("transformer")
@@ -598,6 +610,7 @@ def test_cli_export(trained, tmp_path, capsys):
     assert code == 1
     assert json.loads(captured.out)["max_abs_diff"] > 1e-9
     assert "parity FAILED" in captured.err
+    assert not os.path.exists(tmp_path / "h2.keras")  # gate before commit
     # An existing output without --overwrite: a clear error, exit code 2.
     assert kx.main_export([src, out, "--format", "keras"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
