@@ -104,6 +104,28 @@ def test_skipped_step_keeps_batch_norm_statistics_without_monitor(jit):
     assert np.isfinite(model.predict(x, verbose=0)).all()
 
 
+def test_stock_optimizer_with_a_monitor_uses_the_same_restore():
+    """Keras's own LossScaleOptimizer gets no guard from compile; with a
+    monitor attached, the monitors' step restores the statistics through
+    the same code."""
+    from kerasmp.callbacks import NonFiniteMonitor
+
+    x, y, bad = _batches()
+    model = _cnn(
+        True,
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+    )
+    assert "train_step" not in model.__dict__
+    _fit(model, x, y)
+    before = _statistics(model)
+    monitor = NonFiniteMonitor(locate=False)
+    model.fit(bad, y, batch_size=BATCH, shuffle=False, verbose=0,
+              callbacks=[monitor])
+    assert [e["kind"] for e in monitor.events] == ["overflow"]
+    for got, want in zip(_statistics(model), before):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_applied_steps_update_statistics_as_without_the_guard():
     """The guard changes nothing on applied steps: statistics equal those of
     the stock LossScaleOptimizer under the same policy, on finite data."""
