@@ -15,7 +15,7 @@ of each and their ratio (target: at most 1.03), for
   (`tf.function` / `jax.jit`), the harshest view of the overhead.
 
 The `CNN+BN` train step includes kerasmp's write-back of the batch-norm
-moving statistics on skipped steps (see docs/loss_scaling.md); its
+moving statistics on skipped steps (see docs/monitoring.md); its
 apply-only row equals the CNN's and is not run.
 
 `ratio` is the ratio of the median wall times per step; `pair ratio` the

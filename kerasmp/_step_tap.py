@@ -24,10 +24,15 @@ Keras returns only the last step's logs, so:
   `steps_per_execution=1`) and keeps every step's record and batch.
 
 Skipped steps leave every variable alone: on a skipped step the wrapped step
-puts the model's non-trainable variables (batch-norm moving statistics) and
-every metric variable back to their values before the step, and recomputes
-the logged metrics, so a step whose forward pass overflowed does not turn the
-epoch's loss into NaN (and trip `TerminateOnNaN`) after kerasmp skipped it.
+puts the model's non-trainable variables that the step assigned (batch-norm
+moving statistics) and every metric variable back to their values before the
+step, and recomputes the logged metrics, so a step whose forward pass
+overflowed does not turn the epoch's loss into NaN (and trip
+`TerminateOnNaN`) after kerasmp skipped it. The non-trainable part is
+`_Frozen` (TensorFlow) / `_restore_jax` (JAX), shared with the *skip guard*
+(`guard_skipped_steps`): a wrapper that `compile` installs, monitor or not,
+for models trained with `kerasmp.LossScaleOptimizer`. When the tap wraps a
+guarded step it leaves that part to the guard.
 
 Nothing here creates a variable inside a traced function (XLA cannot lift
 them out): the buffer and counters are made eagerly before the first trace,
