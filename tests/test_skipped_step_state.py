@@ -261,3 +261,51 @@ def test_skipped_step_keeps_statistics_under_mirrored_strategy():
     for later, before in zip(out["later"], out["before"]):
         assert np.isfinite(np.array(later, dtype=float)).all()
         assert later != before
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
+    """The guard finds, at trace time, which non-trainable variables the
+    step writes: batch-norm statistics and the dropout seed yes, a frozen
+    layer's weights no (nothing is read or written back for them)."""
+    from kerasmp import _step_tap
+
+    restored = []
+    if keras.backend.backend() == "jax":
+        original = _step_tap._restore_jax
+
+        def spy(state, new_state, skipped):
+            restored.append([
+                i for i, (o, n) in enumerate(zip(state[1], new_state[1]))
+                if n is not o
+            ])
+            return original(state, new_state, skipped)
+
+        monkeypatch.setattr(_step_tap, "_restore_jax", spy)
+    else:
+        original = _step_tap._Frozen.assigned
+
+        def spy(self):
+            pairs = original(self)
+            restored.append([
+                i for i, v in enumerate(self.variables)
+                if any(v is w for w, _ in pairs)
+            ])
+            return pairs
+
+        monkeypatch.setattr(_step_tap._Frozen, "assigned", spy)
+    set_global_policy(Policy("mixed_float16"))
+    keras.utils.set_random_seed(0)
+    frozen = keras.layers.Dense(3, name="frozen")
+    model = keras.Sequential([
+        keras.Input((4,)), frozen, keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.1, seed=1), keras.layers.Dense(1),
+    ])
+    frozen.trainable = False
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit)
+    x = np.ones((8, 4), "float32")
+    model.fit(x, x[:, :1], batch_size=8, verbose=0)
+    paths = [v.path for v in model.non_trainable_variables]
+    want = [i for i, p in enumerate(paths) if "frozen/" not in p]
+    assert len(want) == len(paths) - 2  # kernel and bias of `frozen`
+    assert restored and all(r == want for r in restored), (restored, paths)
