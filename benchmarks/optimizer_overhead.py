@@ -1,6 +1,7 @@
 """Step-time overhead of kerasmp.LossScaleOptimizer over the stock one.
 
-Under mixed_float16, an MLP and a small CNN are trained with Adam wrapped in
+Under mixed_float16, an MLP, a small CNN and the same CNN with
+BatchNormalization are trained with Adam wrapped in
 `keras.optimizers.LossScaleOptimizer` (stock) and in
 `kerasmp.optimizer.LossScaleOptimizer` (both with the stock settings), in the
 same process. Timed blocks of steps alternate between the two (A B, B A, ...)
@@ -13,6 +14,10 @@ of each and their ratio (target: at most 1.03), for
 - `apply only`: the optimizer's update alone on fixed gradients, compiled
   (`tf.function` / `jax.jit`), the harshest view of the overhead.
 
+The `CNN+BN` train step includes kerasmp's write-back of the batch-norm
+moving statistics on skipped steps (see docs/monitoring.md); its
+apply-only row equals the CNN's and is not run.
+
 `ratio` is the ratio of the median wall times per step; `pair ratio` the
 median (and interquartile range) of the per-pair ratios, a measure of the
 noise; `CPU ratio` the same as `ratio` with this process's CPU time (all
@@ -20,7 +25,8 @@ threads), which other processes on a shared machine disturb less.
 
 Usage:
     KERAS_BACKEND=tensorflow python benchmarks/optimizer_overhead.py \
-        [--repeats 31] [--steps 10] [--json results.json]
+        [--repeats 31] [--steps 10] [--models MLP CNN CNN+BN] \
+        [--json results.json]
 """
 
 import argparse
@@ -67,6 +73,30 @@ def cnn():
         ]
     ), ((28, 28, 1), 64)
 
+
+def cnn_bn():
+    """The CNN with BatchNormalization after each convolution: its forward
+    pass assigns the moving statistics, which kerasmp's optimizer puts back
+    on a skipped step (the stock one leaves the skipped step's values)."""
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 3),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    ), ((28, 28, 1), 64)
+
+
+MODELS = {"MLP": mlp, "CNN": cnn, "CNN+BN": cnn_bn}
 
 OPTIMIZERS = {
     "stock": lambda: keras.optimizers.LossScaleOptimizer(
@@ -188,22 +218,28 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--models", nargs="+", choices=list(MODELS), default=list(MODELS)
+    )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
 
     keras.config.set_dtype_policy("mixed_float16")
     rows = []
-    for model_name, build in (("MLP", mlp), ("CNN", cnn)):
+    for model_name in args.models:
+        build = MODELS[model_name]
         for kind, make_runners in (
             ("train step", train_step_runners),
             ("apply only", apply_only_runners),
         ):
+            if model_name == "CNN+BN" and kind == "apply only":
+                continue  # the same optimizer update as the CNN's
             runners = make_runners(build, args.steps)
             times = _interleaved(runners, args.repeats, args.steps)
             rows.append({"model": model_name, "what": kind, **summarize(times)})
 
     header = (
-        f"{'model':<5} {'what':<11} {'stock ms':>9} {'kerasmp ms':>11} "
+        f"{'model':<6} {'what':<11} {'stock ms':>9} {'kerasmp ms':>11} "
         f"{'ratio':>6} {'pair ratio (IQR)':>24} {'CPU ratio':>9}"
     )
     print(header)
@@ -214,7 +250,7 @@ def main(argv=None):
             f"{r['pair_ratio_iqr'][1]:.3f})"
         )
         print(
-            f"{r['model']:<5} {r['what']:<11} {r['stock_ms']:>9.3f} "
+            f"{r['model']:<6} {r['what']:<11} {r['stock_ms']:>9.3f} "
             f"{r['kerasmp_ms']:>11.3f} {r['ratio']:>6.3f} {iqr:>24} "
             f"{r['cpu_ratio']:>9.3f}"
         )
