@@ -46,6 +46,7 @@ import time
 import keras
 import numpy as np
 
+from kerasmp import _keras_internals as _ki
 from kerasmp.debug import record_calls
 from kerasmp.performance import PerformanceMonitor
 from kerasmp.policy import handoff_dtype
@@ -262,8 +263,8 @@ def activation_bytes(model, x):
         An int (bytes).
     """
     leaves = [
-        layer for layer in model._flatten_layers(include_self=False)
-        if not list(layer._flatten_layers(include_self=False))
+        layer for layer in _ki.sublayers(model)
+        if not _ki.sublayers(layer)
         and not isinstance(layer, keras.layers.InputLayer)
     ]
     total = [0]
@@ -369,10 +370,7 @@ def _jax_step_bytes(model, x, y):
     """XLA's memory plan of the compiled train step, in bytes (or None)."""
     import jax
 
-    state = model._get_jax_state(
-        trainable_variables=True, non_trainable_variables=True,
-        optimizer_variables=True, metrics_variables=True,
-    )
+    state = _ki.jax_state(model)
     spec = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, (x, y))
     )

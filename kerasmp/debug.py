@@ -21,6 +21,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kerasmp import _keras_internals as _ki
 from kerasmp._layers import walk
 from kerasmp.gradients import GradientReport  # noqa: F401
 from kerasmp.gradients import gradient_report  # noqa: F401
@@ -293,7 +294,7 @@ def _restore(snapshot):
 
 
 def _call_kwargs(model, training):
-    return {"training": training} if model._call_has_training_arg else {}
+    return {"training": training} if _ki.call_has_training_arg(model) else {}
 
 
 def _user_loss(loss):
@@ -311,7 +312,7 @@ def _user_loss(loss):
 
 
 def _check_loss(model, loss):
-    if loss is None and getattr(model, "_compile_loss", None) is None:
+    if loss is None and not _ki.has_compiled_loss(model):
         raise ValueError(
             "find_nonfinite: to check gradients (`y` given), compile the "
             "model with a loss or pass `loss=`; received loss=None and a "
@@ -357,8 +358,7 @@ def _gradients_jax(model, x, y, sample_weight, loss, scale, training):
             value = _user_loss(loss)(y, y_pred, sample_weight)
         else:
             if losses:
-                model._losses_override.clear()
-                model._losses_override = losses
+                _ki.set_losses_override(model, losses)
             try:
                 value, _ = model.stateless_compute_loss(
                     trainable,
@@ -372,7 +372,7 @@ def _gradients_jax(model, x, y, sample_weight, loss, scale, training):
                 )
             finally:
                 if losses:
-                    model._losses_override.clear()
+                    _ki.clear_losses_override(model)
         value = ops.cast(value, "float32")
         return value * scale, value
 
