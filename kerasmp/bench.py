@@ -32,6 +32,10 @@ Policies: `float32`, `float32_highest` (float32 with TF32 matmuls disabled:
 `enable_tensor_float_32_execution(False)` on TensorFlow; it differs from
 `float32` only on GPUs with TF32), `mixed_float16` (with
 `kerasmp.optimizer.LossScaleOptimizer`) and `mixed_bfloat16`.
+
+Length: the model zoo, the timing protocol and both backends' memory
+counters are one measurement and are read together; the command-line
+parsing lives in `cli.py`.
 """
 
 import contextlib

@@ -10,6 +10,9 @@ cause.
 `gradient_report(model, x, y)` (from `kerasmp.gradients`, re-exported here)
 measures gradient underflow and overflow at each candidate loss scale against
 a float32 pass and recommends a static scale; `plot_gradient_report` draws it.
+
+Length: `find_nonfinite` and its report (table and text); the batch
+loss/gradient code lives in `kerasmp._batch_grads`.
 """
 
 import contextlib

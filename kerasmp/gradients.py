@@ -12,6 +12,10 @@ from those it recommends a static loss scale.
 Nothing is trained: the weights and the optimizer are never touched, and the
 model's other state (batch-norm statistics, seed generators, metrics) is
 restored after each pass.
+
+Length: `GradientReport` (its table, recommendation and plot data) and
+the per-scale gradient passes on both backends belong to one measurement;
+the shared batch loss/gradient code lives in `kerasmp._batch_grads`.
 """
 
 import contextlib

@@ -13,6 +13,10 @@ evaluates it inside each branch of one `cond` (with the flag known there, so
 a step builds only its branch's few scalar ops) and assigns the results; the
 JAX path (`stateless_apply`, also used by `apply` outside `fit`) evaluates it
 on the flag tensor and returns them.
+
+Length: one class whose state rule, TensorFlow (distributed) and JAX
+apply paths must stay in step, plus the argument validation that gives
+every bad value a clear error at construction.
 """
 
 import math
