@@ -281,8 +281,10 @@ def activation_bytes(model, x):
             dtype = keras.backend.standardize_dtype(dtype)
             if "float" in dtype:
                 # What leaves the layer: an overridden layer computes in
-                # float32 and hands the compute dtype on.
-                if layer is not None:
+                # float32 and hands the compute dtype on, except the
+                # model's output layer (the bench models have one, last),
+                # whose float32 output is what the loss gets.
+                if layer is not None and layer is not model.layers[-1]:
                     dtype = handoff_dtype(layer) or dtype
                 total[0] += int(np.prod(t.shape)) * np.dtype(
                     _numpy_dtype(dtype)).itemsize
