@@ -47,6 +47,11 @@ stock Keras.
    (stock Keras passes only its name) with the layer's kerasmp policy made
    global while the constructor runs, so sublayers that a custom layer
    creates in `__init__` with `dtype=None` get it too.
+
+This module is the patching half of kerasmp's seam to Keras: it decides
+*what* changes. Every Keras class, module and private attribute it patches
+or reads comes from `kerasmp._keras_internals`, the one module that knows
+Keras's private names (docs/architecture.md).
 """
 
 import functools
@@ -54,15 +59,11 @@ import inspect
 import threading
 
 import keras
-from keras.src import dtype_policies as _dtype_policies
-from keras.src.backend.common import masking as _masking
-from keras.src.ops import operation as _operation
-from keras.src.trainers import trainer as _trainer_module
 
-# Keras 3.16 renames `Trainer` to `BaseTrainer`.
-_Trainer = getattr(_trainer_module, "Trainer", None) or getattr(
-    _trainer_module, "BaseTrainer"
-)
+from kerasmp import _keras_internals as _ki
+
+_Trainer = _ki.trainer_class()
+_Operation = _ki.operation_class()
 
 _installed = False
 _policy_cls = None  # kerasmp.Policy
@@ -71,36 +72,27 @@ _originals = {}  # what install() replaced, for uninstall()
 
 
 class _ResolvedDTypePolicy:
-    """Data descriptor installed as `keras.layers.Layer._dtype_policy`."""
+    """Data descriptor installed on `keras.layers.Layer` under
+    `_keras_internals.DTYPE_POLICY_ATTR`."""
 
     def __get__(self, layer, owner=None):
         if layer is None:
             return self
         try:
-            stored = layer.__dict__["_dtype_policy"]
+            stored = layer.__dict__[_ki.DTYPE_POLICY_ATTR]
         except KeyError:
-            raise AttributeError("_dtype_policy") from None
+            raise AttributeError(_ki.DTYPE_POLICY_ATTR) from None
         if isinstance(stored, _policy_cls):
             return stored.policy_for(layer)
         return stored
 
     def __set__(self, layer, value):
-        layer.__dict__["_dtype_policy"] = value
+        layer.__dict__[_ki.DTYPE_POLICY_ATTR] = value
 
 
-def stored_policy(layer):
-    """Returns the policy Keras stored on `layer`, before resolution."""
-    return layer.__dict__.get("_dtype_policy")
-
-
-def sublayers(layer):
-    """Every layer nested in `layer` (not itself), as Keras tracks them."""
-    return list(layer._flatten_layers(include_self=False))
-
-
-def has_trainable_variables(layer):
-    """Whether `layer` itself (not its sublayers) owns trainable variables."""
-    return bool(layer._trainable_variables)
+stored_policy = _ki.stored_dtype_policy
+sublayers = _ki.sublayers
+has_trainable_variables = _ki.has_own_trainable_variables
 
 
 def _governed_layers(model):
@@ -139,7 +131,7 @@ def handoff_dtype(layer):
     None when no kerasmp rule keeps `layer` in float32: its outputs then
     leave it as computed.
     """
-    stored = layer.__dict__.get("_dtype_policy")
+    stored = stored_policy(layer)
     if not isinstance(stored, _policy_cls):
         return None
     if stored.policy_for(layer) is stored:
@@ -162,9 +154,9 @@ def _cast_down(outputs, target, originals):
         if not _is_castable(x, target):
             return x
         y = keras.ops.cast(x, target)
-        mask = _masking.get_keras_mask(x)
+        mask = _ki.get_keras_mask(x)
         if mask is not None:
-            _masking.set_keras_mask(y, mask)
+            _ki.set_keras_mask(y, mask)
         originals[id(y)] = (y, x)
         return y
 
@@ -301,21 +293,6 @@ def _from_config(cls, config):
         keras.config.set_dtype_policy(previous)
 
 
-def _dtype_policy_modules():
-    """`keras.src.dtype_policies` and the public modules that re-export its
-    `serialize`/`deserialize` (keras-hub calls the public ones)."""
-    import keras.dtype_policies as public
-
-    modules = [_dtype_policies, public]
-    try:
-        from keras._tf_keras.keras import dtype_policies as tf_keras_public
-
-        modules.append(tf_keras_public)
-    except ImportError:
-        pass
-    return modules
-
-
 def install(policy_cls, saved_classes):
     """Installs the hooks (idempotent). Called by `kerasmp.policy`.
 
@@ -332,19 +309,22 @@ def install(policy_cls, saved_classes):
     _originals.update(
         __call__=keras.layers.Layer.__call__,
         compile=_Trainer.compile,
-        from_config=_operation.Operation.from_config.__func__,
-        serialize=_dtype_policies.serialize,
-        deserialize=_dtype_policies.deserialize,
+        from_config=_Operation.from_config.__func__,
     )
-    keras.layers.Layer._dtype_policy = _ResolvedDTypePolicy()
+    modules = _ki.dtype_policy_modules()
+    _originals.update(
+        serialize=modules[0].serialize,
+        deserialize=modules[0].deserialize,
+    )
+    _ki.install_dtype_policy_descriptor(_ResolvedDTypePolicy())
     keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
         _layer_call
     )
     _Trainer.compile = functools.wraps(_originals["compile"])(_compile)
-    _operation.Operation.from_config = classmethod(
+    _Operation.from_config = classmethod(
         functools.wraps(_originals["from_config"])(_from_config)
     )
-    for module in _dtype_policy_modules():
+    for module in modules:
         module.serialize = _serialize
         module.deserialize = _deserialize
     _installed = True
@@ -359,11 +339,11 @@ def uninstall():
     global _installed
     if not _installed:
         return
-    del keras.layers.Layer._dtype_policy
+    _ki.remove_dtype_policy_descriptor()
     keras.layers.Layer.__call__ = _originals["__call__"]
     _Trainer.compile = _originals["compile"]
-    _operation.Operation.from_config = classmethod(_originals["from_config"])
-    for module in _dtype_policy_modules():
+    _Operation.from_config = classmethod(_originals["from_config"])
+    for module in _ki.dtype_policy_modules():
         module.serialize = _originals["serialize"]
         module.deserialize = _originals["deserialize"]
     _installed = False

@@ -5,6 +5,8 @@
 root, as `walk` gives it.
 """
 
+from kerasmp import _keras_internals as _ki
+
 
 def walk(layer, prefix=""):
     """Yields `(path, sublayer)` for every sublayer of `layer`, depth first.
@@ -26,7 +28,7 @@ def walk(layer, prefix=""):
 
     def rec(parent, pre):
         taken = {}
-        for child in getattr(parent, "_layers", ()):
+        for child in _ki.direct_sublayers(parent):
             if id(child) in seen:
                 continue
             seen.add(id(child))

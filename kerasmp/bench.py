@@ -32,6 +32,10 @@ Policies: `float32`, `float32_highest` (float32 with TF32 matmuls disabled:
 `enable_tensor_float_32_execution(False)` on TensorFlow; it differs from
 `float32` only on GPUs with TF32), `mixed_float16` (with
 `kerasmp.optimizer.LossScaleOptimizer`) and `mixed_bfloat16`.
+
+Length: the model zoo, the timing protocol and both backends' memory
+counters are one measurement and are read together; the command-line
+parsing lives in `cli.py`.
 """
 
 import contextlib
@@ -46,6 +50,7 @@ import time
 import keras
 import numpy as np
 
+from kerasmp import _keras_internals as _ki
 from kerasmp.debug import record_calls
 from kerasmp.performance import PerformanceMonitor
 from kerasmp.policy import handoff_dtype
@@ -262,8 +267,8 @@ def activation_bytes(model, x):
         An int (bytes).
     """
     leaves = [
-        layer for layer in model._flatten_layers(include_self=False)
-        if not list(layer._flatten_layers(include_self=False))
+        layer for layer in _ki.sublayers(model)
+        if not _ki.sublayers(layer)
         and not isinstance(layer, keras.layers.InputLayer)
     ]
     total = [0]
@@ -371,10 +376,7 @@ def _jax_step_bytes(model, x, y):
     """XLA's memory plan of the compiled train step, in bytes (or None)."""
     import jax
 
-    state = model._get_jax_state(
-        trainable_variables=True, non_trainable_variables=True,
-        optimizer_variables=True, metrics_variables=True,
-    )
+    state = _ki.jax_state(model)
     spec = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, (x, y))
     )

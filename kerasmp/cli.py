@@ -20,6 +20,11 @@ the modules the file names and runs its code: only for files you trust).
 
 The README's "Command line" section is generated from this parser
 (`markdown_reference()`; `tests/test_cli.py` checks they agree).
+
+Length: one argparse parser for five sub-commands, their argument checks
+and the generated README reference; kept in one module because it must
+import only the standard library (the sub-commands' code lives in
+`doctor.py`, `demo.py`, `bench.py`, `export.py`).
 """
 
 import argparse

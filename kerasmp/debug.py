@@ -10,6 +10,9 @@ cause.
 `gradient_report(model, x, y)` (from `kerasmp.gradients`, re-exported here)
 measures gradient underflow and overflow at each candidate loss scale against
 a float32 pass and recommends a static scale; `plot_gradient_report` draws it.
+
+Length: `find_nonfinite` and its report (table and text); the batch
+loss/gradient code lives in `kerasmp._batch_grads`.
 """
 
 import contextlib
@@ -21,6 +24,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kerasmp import _batch_grads as _bg
 from kerasmp._layers import walk
 from kerasmp.gradients import GradientReport  # noqa: F401
 from kerasmp.gradients import gradient_report  # noqa: F401
@@ -111,7 +115,7 @@ class NonFiniteReport:
             name, max_abs = self.inputs_out_of_range[0]
             return (
                 f"model input {name} holds values up to |x| = "
-                f"{_fmt(max_abs)}, beyond float16's max 65504: it becomes "
+                f"{_bg.fmt(max_abs)}, beyond float16's max 65504: it becomes "
                 "inf when a float16 layer casts it (scale or normalize the "
                 "inputs)"
             )
@@ -145,12 +149,12 @@ class NonFiniteReport:
                 r.path,
                 r.class_name,
                 r.dtype,
-                _fmt(r.max_abs),
-                "x" + _fmt(r.headroom) if r.finite else "none",
+                _bg.fmt(r.max_abs),
+                "x" + _bg.fmt(r.headroom) if r.finite else "none",
             ]
             if with_grads:
                 line.append(
-                    "" if r.grad_max_abs is None else _fmt(r.grad_max_abs)
+                    "" if r.grad_max_abs is None else _bg.fmt(r.grad_max_abs)
                 )
             table.append(line)
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -170,7 +174,7 @@ class NonFiniteReport:
             name, max_abs = self.inputs_out_of_range[0]
             summary.append(
                 f"note: model input {name} holds values up to |x| = "
-                f"{_fmt(max_abs)}, beyond float16's max 65504 (nothing "
+                f"{_bg.fmt(max_abs)}, beyond float16's max 65504 (nothing "
                 "non-finite came of it on this batch)"
             )
         summary.append(f"first non-finite layer output: {self.layer}")
@@ -179,8 +183,8 @@ class NonFiniteReport:
                 f"first non-finite gradient (backprop order): {self.variable}"
             )
             summary.append(
-                f"loss: {_fmt(self.loss)} (gradients of loss x "
-                f"{_fmt(self.loss_scale)})"
+                f"loss: {_bg.fmt(self.loss)} (gradients of loss x "
+                f"{_bg.fmt(self.loss_scale)})"
             )
         return "\n".join(lines + summary)
 
@@ -189,14 +193,6 @@ class NonFiniteReport:
             f"<NonFiniteReport layer={self.layer!r} variable={self.variable!r}"
             f" rows={len(self.rows)}>"
         )
-
-
-def _fmt(value):
-    if value is None:
-        return "-"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return f"{value:.3g}"
 
 
 def layer_paths(model):
@@ -283,120 +279,6 @@ def _stats(arrays):
     return dtype, max_abs, headroom, True
 
 
-def _snapshot(variables):
-    return [(v, ops.convert_to_numpy(v.value)) for v in variables]
-
-
-def _restore(snapshot):
-    for v, value in snapshot:
-        v.assign(value)
-
-
-def _call_kwargs(model, training):
-    return {"training": training} if model._call_has_training_arg else {}
-
-
-def _user_loss(loss):
-    """A function (y, y_pred, sample_weight) -> scalar float32 loss."""
-    loss = keras.losses.get(loss)
-
-    def compute(y, y_pred, sample_weight):
-        if isinstance(loss, keras.losses.Loss):
-            value = loss(y, y_pred, sample_weight=sample_weight)
-        else:
-            value = loss(y, y_pred)
-        return ops.mean(ops.cast(value, "float32"))
-
-    return compute
-
-
-def _check_loss(model, loss):
-    if loss is None and getattr(model, "_compile_loss", None) is None:
-        raise ValueError(
-            "find_nonfinite: to check gradients (`y` given), compile the "
-            "model with a loss or pass `loss=`; received loss=None and a "
-            "model without a compiled loss."
-        )
-
-
-def _gradients_tf(model, x, y, sample_weight, loss, scale, training):
-    import tensorflow as tf
-
-    variables = model.trainable_variables
-    with tf.GradientTape() as tape:
-        y_pred = model(x, **_call_kwargs(model, training))
-        if loss is None:
-            value = model.compute_loss(
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=training,
-            )
-        else:
-            value = _user_loss(loss)(y, y_pred, sample_weight)
-        value = ops.cast(value, "float32")
-        scaled = value * scale
-    return value, tape.gradient(scaled, variables)
-
-
-def _gradients_jax(model, x, y, sample_weight, loss, scale, training):
-    import jax
-
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    metrics = [v.value for v in model.metrics_variables]
-    kwargs = _call_kwargs(model, training)
-
-    def scaled_loss(trainable):
-        # Mirrors JAXTrainer.compute_loss_and_updates, without the optimizer.
-        y_pred, new_non_trainable, losses = model.stateless_call(
-            trainable, non_trainable, x, return_losses=True, **kwargs
-        )
-        if loss is not None:
-            value = _user_loss(loss)(y, y_pred, sample_weight)
-        else:
-            if losses:
-                model._losses_override.clear()
-                model._losses_override = losses
-            try:
-                value, _ = model.stateless_compute_loss(
-                    trainable,
-                    new_non_trainable,
-                    metrics,
-                    x=x,
-                    y=y,
-                    y_pred=y_pred,
-                    sample_weight=sample_weight,
-                    training=training,
-                )
-            finally:
-                if losses:
-                    model._losses_override.clear()
-        value = ops.cast(value, "float32")
-        return value * scale, value
-
-    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-    (_, value), grads = grad_fn(trainable)
-    return value, grads
-
-
-def _gradients(model, x, y, sample_weight, loss, scale, training):
-    _check_loss(model, loss)
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        fn = _gradients_tf
-    elif backend == "jax":
-        fn = _gradients_jax
-    else:
-        raise NotImplementedError(
-            f"find_nonfinite checks gradients on the TensorFlow and JAX "
-            f"backends only (current: {backend!r}); call it without `y`."
-        )
-    value, grads = fn(model, x, y, sample_weight, loss, scale, training)
-    return float(ops.convert_to_numpy(value)), grads
-
-
 def find_nonfinite(
     model,
     x,
@@ -469,21 +351,21 @@ def find_nonfinite(
     def record(layer, outputs):
         calls.append((layer, _stats(_float_arrays(outputs))))
 
-    state = _snapshot(
+    state = _bg.snapshot(
         list(model.non_trainable_variables) + list(model.metrics_variables)
     )
     try:
         layers = [layer for _, layer in layer_paths(model).values()]
         with record_calls(layers, record):
-            model(x, **_call_kwargs(model, training))
-        _restore(state)
+            model(x, **_bg.call_kwargs(model, training))
+        _bg.restore(state)
         loss_value = grads = None
         if y is not None:
-            loss_value, grads = _gradients(
+            loss_value, grads = _bg.gradients(
                 model, x, y, sample_weight, loss, loss_scale, training
             )
     finally:
-        _restore(state)
+        _bg.restore(state)
 
     rows = []
     by_path = {}

@@ -23,6 +23,9 @@ Artifacts, under `--out` (default `./kerasmp-demo`):
 A run first removes the artifacts an earlier demo run left in `--out` (the
 names above, `ARTIFACT_NAMES`; nothing else in the folder), so the folder and
 the list the demo prints hold only what this run wrote.
+
+Length: one end-to-end script (data, two training runs, export, table,
+artifacts) that reads top to bottom; splitting it would scatter one story.
 """
 
 import csv

@@ -12,6 +12,10 @@ from those it recommends a static loss scale.
 Nothing is trained: the weights and the optimizer are never touched, and the
 model's other state (batch-norm statistics, seed generators, metrics) is
 restored after each pass.
+
+Length: `GradientReport` (its table, recommendation and plot data) and
+the per-scale gradient passes on both backends belong to one measurement;
+the shared batch loss/gradient code lives in `kerasmp._batch_grads`.
 """
 
 import contextlib
@@ -23,6 +27,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kerasmp import _batch_grads as _bg
 from kerasmp import debug as _debug
 from kerasmp.policy import stored_policy
 
@@ -204,8 +209,8 @@ class GradientReport:
             ))
         widths = [max(len(row[i]) for row in table) for i in range(5)]
         lines = [f"gradient_report: policy {self.policy}, loss "
-                 f"{_debug._fmt(self.loss)} (float32: "
-                 f"{_debug._fmt(self.loss_float32)})"]
+                 f"{_bg.fmt(self.loss)} (float32: "
+                 f"{_bg.fmt(self.loss_float32)})"]
         for i, row in enumerate(table):
             line = "  ".join(c.rjust(w) for c, w in zip(row, widths))
             if i and self.rows[i - 1].scale == self.recommended_scale:
@@ -356,7 +361,7 @@ class _Passes:
             def grads(values, x, y, sample_weight, scale):
                 mapping = list(zip(variables, values))
                 with keras.StatelessScope(state_mapping=mapping):
-                    return _debug._gradients_jax(
+                    return _bg.gradients_jax(
                         model, x, y, sample_weight, loss, scale, training
                     )
 
@@ -364,7 +369,7 @@ class _Passes:
             self.variables = variables
 
     def __call__(self, scale):
-        _debug._restore(self.state)
+        _bg.restore(self.state)
         try:
             if self.jitted is not None:
                 values = [v.value for v in self.variables]
@@ -373,12 +378,12 @@ class _Passes:
                 )
                 value = float(ops.convert_to_numpy(value))
             else:
-                _debug._check_loss(self.model, self.loss)
-                value, grads = _debug._gradients(
+                _bg.check_loss(self.model, self.loss)
+                value, grads = _bg.gradients(
                     self.model, *self.args, self.loss, scale, self.training
                 )
         finally:
-            _debug._restore(self.state)
+            _bg.restore(self.state)
         return value, [_dense(g) for g in grads]
 
 
@@ -488,7 +493,7 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
         )
     if y is None:
         raise ValueError("gradient_report: `y` (the targets) is required.")
-    _debug._check_loss(model, loss)
+    _bg.check_loss(model, loss)
     backend = keras.backend.backend()
     if backend not in ("tensorflow", "jax"):
         raise NotImplementedError(
@@ -497,12 +502,12 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
         )
 
     if not model.built:
-        state = _debug._snapshot(list(model.variables))
+        state = _bg.snapshot(list(model.variables))
         try:
-            model(x, **_debug._call_kwargs(model, False))
+            model(x, **_bg.call_kwargs(model, False))
         finally:
-            _debug._restore(state)
-    state = _debug._snapshot(
+            _bg.restore(state)
+    state = _bg.snapshot(
         list(model.non_trainable_variables) + list(model.metrics_variables)
     )
     variables = list(model.trainable_variables)

@@ -13,6 +13,10 @@ evaluates it inside each branch of one `cond` (with the flag known there, so
 a step builds only its branch's few scalar ops) and assigns the results; the
 JAX path (`stateless_apply`, also used by `apply` outside `fit`) evaluates it
 on the flag tensor and returns them.
+
+Length: one class whose state rule, TensorFlow (distributed) and JAX
+apply paths must stay in step, plus the argument validation that gives
+every bad value a clear error at construction.
 """
 
 import math
@@ -21,7 +25,8 @@ import numbers
 import keras
 import numpy as np
 from keras import ops
-from keras.src.utils import tracking
+
+from kerasmp import _keras_internals as _ki
 
 
 class _DefaultScale(float):
@@ -159,7 +164,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # ------------------------------------------------------------------ state
 
-    @tracking.no_automatic_dependency_tracking
+    @_ki.no_automatic_dependency_tracking
     def build(self, var_list):
         # Keras's own state first (step_counter, dynamic_scale), then ours, so
         # that the first variables keep the stock optimizer's layout.
@@ -212,7 +217,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         }
         if self._accumulation_steps:
             state["discard"] = self.discarded_micro_steps
-            state["inner_iterations"] = self.inner_optimizer._iterations
+            state["inner_iterations"] = _ki.optimizer_iterations(
+                self.inner_optimizer
+            )
         return state
 
     def _next_state(self, state, finite):
@@ -302,7 +309,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _unscale(self, grads, scale, trainable_variables):
         return [
             g
-            if g is None or self._overwrite_variable_with_gradient(v)
+            if g is None or _ki.overwrites_with_gradient(self, v)
             else _map_values(lambda x: ops.cast(x / scale, x.dtype), g)
             for g, v in zip(grads, trainable_variables)
         ]
@@ -323,7 +330,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
 
     def _apply_inner(self, grads, trainable_variables):
-        tvs = trainable_variables or self._trainable_variables
+        tvs = trainable_variables or _ki.optimizer_trainable_variables(
+            self
+        )
         self.inner_optimizer.apply(
             self._unscale(grads, self.dynamic_scale, tvs),
             trainable_variables=trainable_variables,
@@ -357,7 +366,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if reset is not False:
             ops.cond(
                 reset,
-                self.inner_optimizer._backend_reset_gradient_accumulators,
+                lambda: _ki.reset_gradient_accumulators(self.inner_optimizer),
                 _no_op,
             )
 
@@ -413,11 +422,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Run the stateless update and write its results back: stateful
         # assignments inside `lax.cond` branches would leak tracers (the stock
         # optimizer's UnexpectedTracerError outside `fit`).
-        built_with = self._trainable_variables
+        built_with = _ki.optimizer_trainable_variables(self)
         if trainable_variables is not None:
             full = [None] * len(built_with)
             for g, v in zip(grads, trainable_variables):
-                full[self._get_variable_index(v)] = g
+                full[_ki.optimizer_variable_index(self, v)] = g
             grads = full
         if getattr(self, "_jitted_stateless_apply", None) is None:
             import jax
@@ -443,7 +452,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         optimizer_variables = list(optimizer_variables)
         trainable_variables = list(trainable_variables)
         index = {id(v): i for i, v in enumerate(self.variables)}
-        own_count = len(self._variables)
+        own_count = len(_ki.optimizer_own_variables(self))
         inner_values = optimizer_variables[own_count:]
         state_variables = self._state_variables()
         state = {
@@ -458,7 +467,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def apply_inner():
             unscaled = self._unscale(
-                grads, state["scale"], self._trainable_variables
+                grads, state["scale"], _ki.optimizer_trainable_variables(self)
             )
             new_tvs, new_inner = self.inner_optimizer.stateless_apply(
                 inner_values, unscaled, trainable_variables
@@ -471,7 +480,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         new_values = optimizer_variables[:own_count] + list(new_inner)
         if self._accumulation_steps:
             # After the inner update, as the stateful path reads it.
-            i = index[id(self.inner_optimizer._iterations)]
+            i = index[id(_ki.optimizer_iterations(self.inner_optimizer))]
             state["inner_iterations"] = new_values[i]
         new = self._next_state(state, finite)
         reset = new.pop("reset_accumulators", False)
@@ -479,7 +488,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             i = index[id(state_variables[key])]
             new_values[i] = ops.cast(value, new_values[i].dtype)
         if reset is not False:
-            for acc in self.inner_optimizer._accumulated_gradients:
+            for acc in _ki.accumulated_gradients(self.inner_optimizer):
                 i = index[id(acc)]
                 current = new_values[i]
                 new_values[i] = ops.cond(

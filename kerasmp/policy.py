@@ -13,6 +13,10 @@ layer each time Keras reads it (`Policy.policy_for(layer)`), so the rules also
 apply to nested layers and to attributes set after `super().__init__()`
 (an `Activation` layer's activation, say). Any other policy, including an
 explicit `dtype=` given by the user, is returned untouched and so wins.
+
+Length: `Policy`, its float32 rules and the global-policy helpers; the
+Keras patches live in `kerasmp._hooks`, the pattern matcher in
+`kerasmp._namematch`.
 """
 
 import contextlib

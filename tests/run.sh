@@ -3,14 +3,45 @@
 # then every test not marked `tensorflow` under JAX. Extra arguments go to
 # both pytest runs. Both runs always happen; the script fails if either
 # failed (exit status 1, after naming the failed backends).
+#
+# `bash tests/run.sh --keras-nightly [pytest args]` runs the same two passes
+# against the newest Keras on PyPI: it creates a throwaway virtual
+# environment in /tmp that sees this Python's packages
+# (--system-site-packages), installs `keras-nightly` into it with --no-deps
+# (so TensorFlow, JAX and the rest stay as installed), runs the suite with
+# this checkout's kerasmp, and deletes the environment. Set
+# KERASMP_NIGHTLY_VENV=/path to reuse (and keep) an environment instead.
+# Not part of CI (it needs the network and doubles the time); run it before
+# raising the Keras upper bound in pyproject.toml.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+python=python
+if [[ "${1:-}" == "--keras-nightly" ]]; then
+    shift
+    venv="${KERASMP_NIGHTLY_VENV:-}"
+    if [[ -z "$venv" ]]; then
+        tmp="$(mktemp -d /tmp/kerasmp-keras-nightly.XXXXXX)"
+        trap 'rm -rf "$tmp"' EXIT
+        venv="$tmp/venv"
+    fi
+    if [[ ! -x "$venv/bin/python" ]]; then
+        python -m venv --system-site-packages "$venv" || exit 1
+    fi
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        --no-deps --upgrade keras-nightly || exit 1
+    python="$venv/bin/python"
+    # This checkout's kerasmp, not an installed copy.
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "== keras $("$python" -c 'import keras; print(keras.__version__)' \
+        2>/dev/null) (keras-nightly, in $venv)"
+fi
 failed=()
 echo "== KERAS_BACKEND=tensorflow"
-KERAS_BACKEND=tensorflow python -m pytest "$@" || failed+=(tensorflow)
+KERAS_BACKEND=tensorflow "$python" -m pytest "$@" || failed+=(tensorflow)
 echo "== KERAS_BACKEND=jax"
-KERAS_BACKEND=jax python -m pytest -m "not tensorflow" "$@" || failed+=(jax)
+KERAS_BACKEND=jax "$python" -m pytest -m "not tensorflow" "$@" \
+    || failed+=(jax)
 if ((${#failed[@]})); then
     echo "== FAILED on: ${failed[*]}" >&2
     exit 1

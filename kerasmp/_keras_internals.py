@@ -1,0 +1,270 @@
+"""The one place where kerasmp reaches into Keras's private internals.
+
+Every `keras.src` import and every read or write of a private attribute of
+a Keras object (`layer._flatten_layers`, `optimizer._iterations`, ...) lives
+here, as a small named function. Other kerasmp modules call these functions
+and use only Keras's public API otherwise; `kerasmp._hooks` (which *patches*
+Keras: the `_dtype_policy` descriptor, `Layer.__call__`, `compile`,
+`from_config`, `dtype_policies.serialize`/`deserialize`) gets every Keras
+class, module and private attribute name it patches from here.
+
+Each function has a contract test in `tests/test_keras_internals.py` that
+fails naming the Keras version when the internal it relies on changes; run
+them against the newest Keras with `bash tests/run.sh --keras-nightly`.
+docs/architecture.md lists where kerasmp meets Keras.
+
+Tested with Keras 3.15 and 3.16 (`pyproject.toml` bounds the version).
+"""
+
+import keras
+from keras.src import dtype_policies as _dtype_policies
+from keras.src.backend.common import masking as _masking
+from keras.src.trainers import trainer as _trainer_module
+from keras.src.utils import tracking as _tracking
+
+# --------------------------------------------------------------- layers
+
+DTYPE_POLICY_ATTR = "_dtype_policy"
+"""The `Layer` attribute every Keras dtype read goes through.
+
+`Layer.dtype_policy`, `compute_dtype` and `variable_dtype` all read
+`self._dtype_policy`; kerasmp installs a data descriptor under this name on
+`keras.layers.Layer` (see `install_dtype_policy_descriptor`).
+"""
+
+
+def stored_dtype_policy(layer):
+    """The policy Keras stored on `layer`, before any kerasmp resolution.
+
+    None when the layer has none yet (during `Layer.__init__`).
+    """
+    return layer.__dict__.get(DTYPE_POLICY_ATTR)
+
+
+def store_dtype_policy(layer, policy):
+    """Stores `policy` as `layer`'s policy, as Keras's `Layer.__init__` does.
+
+    Unlike the public `dtype_policy` setter this skips Keras's validation
+    and the `DTypePolicyMap` bookkeeping: it replaces the policy object that
+    `compute_dtype` and `variable_dtype` read.
+    """
+    setattr(layer, DTYPE_POLICY_ATTR, policy)
+
+
+def install_dtype_policy_descriptor(descriptor):
+    """Installs `descriptor` as `keras.layers.Layer._dtype_policy`.
+
+    The descriptor must be a data descriptor that keeps the stored value in
+    the instance `__dict__` under `DTYPE_POLICY_ATTR` (so that
+    `stored_dtype_policy` reads it).
+    """
+    setattr(keras.layers.Layer, DTYPE_POLICY_ATTR, descriptor)
+
+
+def remove_dtype_policy_descriptor():
+    """Removes what `install_dtype_policy_descriptor` installed."""
+    delattr(keras.layers.Layer, DTYPE_POLICY_ATTR)
+
+
+def sublayers(layer):
+    """Every layer nested in `layer` (not itself), as Keras tracks them."""
+    return list(layer._flatten_layers(include_self=False))
+
+
+def direct_sublayers(layer):
+    """The layers `layer` tracks directly, in creation order.
+
+    Unlike `Model.layers` this includes a `Sequential` model's `InputLayer`
+    and works for any layer (also unbuilt ones); an empty list for objects
+    that track no layers.
+    """
+    return list(getattr(layer, "_layers", ()))
+
+
+def has_own_trainable_variables(layer):
+    """Whether `layer` itself (not its sublayers) owns trainable variables."""
+    return bool(layer._trainable_variables)
+
+
+def own_variables(layer):
+    """The variables `layer` itself owns (not its sublayers')."""
+    return list(getattr(layer, "_trainable_variables", ())) + list(
+        getattr(layer, "_non_trainable_variables", ())
+    )
+
+
+def get_keras_mask(x):
+    """The Keras mask attached to tensor `x`, or None."""
+    return _masking.get_keras_mask(x)
+
+
+def set_keras_mask(x, mask):
+    """Attaches `mask` to tensor `x` as Keras's masking does."""
+    _masking.set_keras_mask(x, mask)
+
+
+# --------------------------------------------------------------- models
+
+
+def trainer_class():
+    """The class whose `compile` every Keras model runs.
+
+    `keras.src.trainers.trainer.Trainer` (Keras 3.15), renamed `BaseTrainer`
+    in Keras 3.16.
+    """
+    cls = getattr(_trainer_module, "Trainer", None)
+    return cls or getattr(_trainer_module, "BaseTrainer")
+
+
+def operation_class():
+    """The class whose `from_config` builds every layer from its config."""
+    return keras.Operation
+
+
+def functional_class():
+    """Keras's `Functional` model class (a graph of layers)."""
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def run_through_graph(model, inputs, operation_fn):
+    """Calls `operation_fn(layer)` on each layer of a Functional `model` and
+    rebuilds its graph on `inputs` with the layers it returns; returns the
+    outputs."""
+    return model._run_through_graph(inputs, operation_fn=operation_fn)
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` accepts a `training` argument."""
+    return bool(model._call_has_training_arg)
+
+
+def has_compiled_loss(model):
+    """Whether `model` was compiled with a loss."""
+    return getattr(model, "_compile_loss", None) is not None
+
+
+def set_losses_override(model, losses):
+    """Makes `model.losses` return `losses` (a list of tensors) until
+    `clear_losses_override`, as Keras's JAX trainer does inside a stateless
+    step."""
+    model._losses_override.clear()
+    model._losses_override = list(losses)
+
+
+def clear_losses_override(model):
+    """Undoes `set_losses_override`."""
+    model._losses_override.clear()
+
+
+JAX_STATE_FIELDS = (
+    "trainable_variables",
+    "non_trainable_variables",
+    "optimizer_variables",
+    "metrics_variables",
+)
+"""The positions of the JAX trainer's state tuple (`train_step(state,
+data)` takes and returns it): `state[JAX_STATE_FIELDS.index(name)]`."""
+
+
+def jax_state(model):
+    """The JAX trainer's state tuple of `model`'s current values, in the
+    order `JAX_STATE_FIELDS` names (what `model.train_step` takes)."""
+    return model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )
+
+
+def jax_state_field(state, name):
+    """One field of a JAX trainer state tuple, by name (`JAX_STATE_FIELDS`)."""
+    return state[JAX_STATE_FIELDS.index(name)]
+
+
+def jax_state_sync(model):
+    """Writes the values of a running JAX `fit` back into `model`'s
+    variables (`model.jax_state_sync`); no-op on other backends."""
+    if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
+
+
+# ----------------------------------------------------------- optimizers
+
+no_automatic_dependency_tracking = _tracking.no_automatic_dependency_tracking
+"""Decorator: attributes set inside the method are not tracked by Keras
+(an optimizer's `build` uses it)."""
+
+
+def optimizer_iterations(optimizer):
+    """The optimizer's step-counter variable (`optimizer.iterations` is a
+    read-only property returning it)."""
+    return optimizer._iterations
+
+
+def optimizer_own_variables(optimizer):
+    """The variables `optimizer` created itself (for a wrapper such as
+    `LossScaleOptimizer`: not those of the inner optimizer), in creation
+    order; `optimizer.variables` starts with them."""
+    return list(optimizer._variables)
+
+
+def optimizer_trainable_variables(optimizer):
+    """The model variables `optimizer` was built with, in build order."""
+    return list(optimizer._trainable_variables)
+
+
+def optimizer_variable_index(optimizer, variable):
+    """The position of model `variable` in the list `optimizer` was built
+    with."""
+    return optimizer._get_variable_index(variable)
+
+
+def overwrites_with_gradient(optimizer, variable):
+    """Whether `optimizer` assigns the "gradient" of `variable` instead of
+    applying it (`variable.overwrite_with_gradient`, used for float8
+    scaling factors): such gradients must not be unscaled."""
+    return optimizer._overwrite_variable_with_gradient(variable)
+
+
+def accumulated_gradients(optimizer):
+    """The gradient accumulator variables of `optimizer` (empty unless
+    `gradient_accumulation_steps` is set)."""
+    return list(getattr(optimizer, "_accumulated_gradients", None) or ())
+
+
+def reset_gradient_accumulators(optimizer):
+    """Zeroes the gradient accumulators of `optimizer` (stateful)."""
+    optimizer._backend_reset_gradient_accumulators()
+
+
+# ------------------------------------------------------ serialization
+
+
+def dtype_policy_modules():
+    """The modules whose `serialize`/`deserialize` Keras and keras-hub call
+    for dtype policies: `keras.src.dtype_policies` and the public modules
+    that re-export them."""
+    import keras.dtype_policies as public
+
+    modules = [_dtype_policies, public]
+    try:
+        from keras._tf_keras.keras import dtype_policies as tf_keras_public
+
+        modules.append(tf_keras_public)
+    except ImportError:
+        pass
+    return modules
+
+
+# -------------------------------------------------------------- export
+
+
+def patch_tf2onnx():
+    """Applies Keras's numpy-2 compatibility patch to tf2onnx, as
+    `keras.export` does before converting."""
+    from keras.src.export.tf2onnx_lib import patch_tf2onnx as patch
+
+    patch()
