@@ -256,8 +256,10 @@ def test_mirrored_overflow_on_one_replica_skips_on_all(tmp_path):
     for a, b in zip(_weights(mirrored), _weights(single)):
         np.testing.assert_allclose(a, b, atol=5e-5)
 
-    # Control: the stock optimizer applies the all-reduced inf on replica 0.
-    assert not out["stock_mirrored"]["finite"]
+    # Reported, not asserted (a later Keras may fix it): Keras 3.15's
+    # optimizer applies the all-reduced inf on replica 0.
+    print(f"[stock LossScaleOptimizer, mirrored: weights finite = "
+          f"{out['stock_mirrored']['finite']}]")
 
 
 def test_mirrored_with_jit_compile(tmp_path):

@@ -89,7 +89,9 @@ def test_fit_mixed_float16_recovers_from_overflowing_batches(jit):
     assert after < before  # still learning
     assert opt.skipped_steps == 200
 
-    # Control: the stock optimizer on the same data ends with NaN weights.
+    # Reported, not asserted: the stock optimizer on the same data ends
+    # with NaN weights in Keras 3.15 (its scale has no floor), which a
+    # later Keras may fix.
     stock_model = _mlp()
     stock_model.compile(
         keras.optimizers.LossScaleOptimizer(
@@ -99,7 +101,8 @@ def test_fit_mixed_float16_recovers_from_overflowing_batches(jit):
         jit_compile=jit,
     )
     stock_model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
-    assert not _all_finite(stock_model)
+    print(f"[stock LossScaleOptimizer, same data: weights finite = "
+          f"{_all_finite(stock_model)}]")
 
 
 def test_compile_with_stock_settings_matches_stock_fit():
