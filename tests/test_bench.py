@@ -74,8 +74,12 @@ def test_quick_json_has_a_row_per_model_and_policy(tmp_path, capsys):
         assert base["speedup_vs_baseline"] == 1.0
         for policy in ("mixed_float16", "mixed_bfloat16"):
             r = rows[model, policy]
-            # Half-precision activations, float32 inputs and softmax.
-            assert 0.5 < r["activation_ratio_vs_baseline"] < 0.8
+            # Half-precision activations between layers; float32 only
+            # for the inputs and the probabilities the loss gets. The MLP
+            # is counted exactly above; its float32 share is larger.
+            ratio = r["activation_ratio_vs_baseline"]
+            assert 0.5 <= ratio <= (0.65 if model == "mlp" else 0.55), (
+                model, policy, ratio)
             assert r["speedup_vs_baseline"] == pytest.approx(
                 r["steps_per_s"] / base["steps_per_s"])
             assert r["params"] == base["params"]
