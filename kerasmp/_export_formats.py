@@ -14,6 +14,7 @@ import warnings
 import keras
 import numpy as np
 
+from kerasmp import _keras_internals as _ki
 from kerasmp._half import HalfModel
 from kerasmp._half import is_float
 from kerasmp._half import is_graph_model
@@ -40,7 +41,7 @@ def input_specs(model):
                 (n, s, "float16" if is_float(d) else d) for n, s, d in specs
             ]
         return specs
-    first = model._layers[0] if model._layers else None
+    first = next(iter(_ki.direct_sublayers(model)), None)
     if isinstance(model, keras.Sequential) and isinstance(
         first, keras.layers.InputLayer
     ):
@@ -380,14 +381,13 @@ def write_onnx(model, path, specs):
     """
     import tensorflow as tf
     import tf2onnx
-    from keras.src.export.tf2onnx_lib import patch_tf2onnx
 
     _, serve = serving_module(model, specs)
     signature = [
         tf.TensorSpec(shape, tf.as_dtype(d), name=name)
         for name, shape, d in specs
     ]
-    patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
+    _ki.patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         proto, _ = tf2onnx.convert.from_function(

@@ -28,18 +28,12 @@ import warnings
 import keras
 import numpy as np
 
+from kerasmp import _keras_internals as _ki
 from kerasmp import policy as _policy
 from kerasmp._layers import walk
 
 DTYPES = ("float16", "bfloat16")
 FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
-
-
-def own_variables(layer):
-    """The variables `layer` creates itself (not its sublayers')."""
-    return list(getattr(layer, "_trainable_variables", ())) + list(
-        getattr(layer, "_non_trainable_variables", ())
-    )
 
 
 def numpy_value(x):
@@ -64,9 +58,7 @@ def _plain(policy):
 
 
 def is_graph_model(model):
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, (keras.Sequential, Functional))
+    return isinstance(model, (keras.Sequential, _ki.functional_class()))
 
 
 # --------------------------------------------------------------------------
@@ -128,7 +120,7 @@ def keep_rules(model, keep_float32):
 def _out_of_range(layer):
     """Returns `(weight name, max |value|)` of the first weight of `layer`
     that float16 cannot hold, or None."""
-    for v in own_variables(layer):
+    for v in _ki.own_variables(layer):
         if not is_float(v.dtype):
             continue
         values = numpy_value(v)
@@ -219,7 +211,7 @@ def plan(model, dtype, keep_float32=None):
     layers = [("", model)] + list(walk(model))
     owner = {}
     for _, layer in layers:
-        for v in own_variables(layer):
+        for v in _ki.own_variables(layer):
             owner.setdefault(id(v), layer)
     half = f"mixed_{dtype}" if dtype != "float32" else "float32"
     layer_policies = []
@@ -345,7 +337,7 @@ class HalfModel(keras.Model):
         """
         names = {}
         for path, layer in walk(self._hidden.source):
-            for v in own_variables(layer):
+            for v in _ki.own_variables(layer):
                 names.setdefault(id(v), f"{path}/{v.name}")
         return {
             names.get(id(s), s.path): str(c.dtype)
@@ -374,7 +366,7 @@ class HalfModel(keras.Model):
                 if name is None:
                     continue
                 saved.append((layer, _policy.stored_policy(layer)))
-                layer._dtype_policy = keras.DTypePolicy(name)
+                _ki.store_dtype_policy(layer, keras.DTypePolicy(name))
             for layer, dtype in self._handback():
                 patched.append((layer, layer.__dict__.get("call")))
                 object.__setattr__(layer, "call", _handing_back(layer, dtype))
@@ -387,7 +379,7 @@ class HalfModel(keras.Model):
                 else:
                     object.__setattr__(layer, "call", call)
             for layer, policy in reversed(saved):
-                layer._dtype_policy = policy
+                _ki.store_dtype_policy(layer, policy)
         if self.float16_inputs:
             return outputs
         return keras.tree.map_structure(_to_float32, outputs)

@@ -184,6 +184,14 @@ def jax_state_field(state, name):
     return state[JAX_STATE_FIELDS.index(name)]
 
 
+def jax_state_replace(state, name, value):
+    """A copy of the JAX trainer state tuple `state` with field `name`
+    (`JAX_STATE_FIELDS`) replaced by `value`."""
+    fields = list(state)
+    fields[JAX_STATE_FIELDS.index(name)] = value
+    return tuple(fields)
+
+
 def jax_state_sync(model):
     """Writes the values of a running JAX `fit` back into `model`'s
     variables (`model.jax_state_sync`); no-op on other backends."""

@@ -57,6 +57,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from kerasmp import _keras_internals as _ki
+
 SCALE_KEY = "loss_scale"
 SKIPPED_KEY = "skipped_steps"
 _BATCH_KEY = "_kerasmp_batch"
@@ -261,8 +263,7 @@ class StepTap:
         """
         if self._keras_function is not None or not self._installed:
             return
-        if keras.backend.backend() == "jax":
-            self.model.jax_state_sync()
+        _ki.jax_state_sync(self.model)
         self._function()
 
     def _function(self):
@@ -514,7 +515,10 @@ class StepTap:
                 return logs, new_state
             logs = dict(logs)
             watched = _metric_variables(model)
-            old_metrics, new_metrics = list(state[3]), list(new_state[3])
+            old_metrics = list(_ki.jax_state_field(state, "metrics_variables"))
+            new_metrics = list(
+                _ki.jax_state_field(new_state, "metrics_variables")
+            )
             flags = [
                 ops.any(
                     ops.logical_and(
@@ -533,7 +537,10 @@ class StepTap:
                 scale = ops.array(float("nan"), "float32")
             else:
                 index = {id(v): i for i, v in enumerate(optimizer.variables)}
-                old_values, new_values = state[2], new_state[2]
+                old_values = _ki.jax_state_field(state, "optimizer_variables")
+                new_values = _ki.jax_state_field(
+                    new_state, "optimizer_variables"
+                )
 
                 def new(variable):
                     return new_values[index[id(variable)]]
@@ -602,36 +609,35 @@ class StepTap:
         return model.train_function
 
     def _make_host_function(self):
-        tap = self
         if keras.backend.backend() == "jax":
 
             def train_function(state, iterator):
                 try:
-                    tap._check_iterator(iterator)
+                    self._check_iterator(iterator)
                 except _Stale:
-                    return tap._stale()(state, iterator)
+                    return self._stale()(state, iterator)
                 try:
-                    return tap._run_jax(state, iterator)
+                    return self._run_jax(state, iterator)
                 except StopIteration:
                     raise
                 except BaseException:
-                    tap.uninstall()
+                    self.uninstall()
                     raise
 
         else:
 
             def train_function(iterator):
                 try:
-                    tap._check_iterator(iterator)
+                    self._check_iterator(iterator)
                 except _Stale:
-                    return tap._stale()(iterator)
+                    return self._stale()(iterator)
                 try:
-                    return tap._post(tap._function()(iterator))
+                    return self._post(self._function()(iterator))
                 except StopIteration:
                     raise
                 except BaseException as e:
                     if type(e).__name__ != "OutOfRangeError":
-                        tap.uninstall()
+                        self.uninstall()
                     raise
 
         return train_function
@@ -883,7 +889,9 @@ def _restore_jax(state, new_state, skipped):
     returning it, called only when a value changed). A value the step did
     not assign comes back as the very array it was given: it is left alone,
     so a model whose forward pass assigns nothing pays nothing."""
-    old, new = list(state[1]), list(new_state[1])
+    field = "non_trainable_variables"
+    old = list(_ki.jax_state_field(state, field))
+    new = list(_ki.jax_state_field(new_state, field))
     changed = [i for i, (o, n) in enumerate(zip(old, new)) if n is not o]
     if not changed:
         return new_state
@@ -891,7 +899,7 @@ def _restore_jax(state, new_state, skipped):
         skipped = skipped()
     for i in changed:
         new[i] = ops.where(skipped, old[i], new[i])
-    return (new_state[0], new, *new_state[2:])
+    return _ki.jax_state_replace(new_state, field, new)
 
 
 def guard_skipped_steps(model):
@@ -948,7 +956,12 @@ def _make_guard(model, original):
             optimizer = model.optimizer
             index = [id(v) for v in optimizer.variables].index(id(counter))
             return logs, _restore_jax(
-                state, new_state, lambda: new_state[2][index] > 0
+                state,
+                new_state,
+                lambda: _ki.jax_state_field(new_state, "optimizer_variables")[
+                    index
+                ]
+                > 0,
             )
 
     else:
