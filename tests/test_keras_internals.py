@@ -435,7 +435,6 @@ SEAM = "_keras_internals.py"
 # (docs/architecture.md, "To move next").
 TO_MOVE = {
     "_step_tap.py",
-    "callbacks.py",
     "export.py",
     "_half.py",
     "_export_formats.py",
