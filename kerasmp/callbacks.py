@@ -6,7 +6,14 @@
 - `NonFiniteMonitor` records every skipped step and every non-finite loss or
   weight as an event, tells normal calibration overflows from a run that is
   stuck, names the layer that went non-finite, and can warn, stop, raise or
-  move that layer to float32 and carry on.
+  move that layer to float32 and carry on. It only wires its units to
+  `fit`: the classification rules (pure functions) in `_nonfinite.py`,
+  locating and the fallback in `_nonfinite_fallback.py`, the wording and
+  the JSON Lines log in `_nonfinite_messages.py`.
+
+Length: two public callbacks, each with the Keras-convention docstring
+(about 60 lines each) and argument checks; the logic of `NonFiniteMonitor`
+lives in the `_nonfinite*` modules.
 """
 
 import dataclasses
