@@ -6,10 +6,17 @@
 - `NonFiniteMonitor` records every skipped step and every non-finite loss or
   weight as an event, tells normal calibration overflows from a run that is
   stuck, names the layer that went non-finite, and can warn, stop, raise or
-  move that layer to float32 and carry on.
+  move that layer to float32 and carry on. It only wires its units to
+  `fit`: the classification rules (pure functions) in `_nonfinite.py`,
+  locating and the fallback in `_nonfinite_fallback.py`, the wording and
+  the JSON Lines log in `_nonfinite_messages.py`.
+
+Length: two public callbacks, each with the Keras-convention docstring
+(about 60 lines each) and argument checks; the logic of `NonFiniteMonitor`
+lives in the `_nonfinite*` modules.
 """
 
-import json
+import dataclasses
 import math
 import numbers
 import os
@@ -18,22 +25,18 @@ import warnings
 
 import keras
 import numpy as np
-from keras import ops
 
+from kerasmp import _keras_internals as _ki
+from kerasmp import _nonfinite
+from kerasmp import _nonfinite_fallback
+from kerasmp import _nonfinite_messages
 from kerasmp import _step_tap
-from kerasmp.debug import find_nonfinite
+from kerasmp._nonfinite import KINDS  # noqa: F401 (re-export)
 from kerasmp.errors import NonFiniteError
 from kerasmp.errors import NonFiniteWarning
 from kerasmp.performance import PerformanceMonitor  # noqa: F401 (re-export)
 
 ACTIONS = ("warn", "stop", "raise", "fallback")
-KINDS = (
-    "calibration",
-    "overflow",
-    "stuck",
-    "nonfinite_loss",
-    "nonfinite_weights",
-)
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -217,7 +220,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             return None
         if not math.isfinite(scale) or scale <= 0:
             return None
-        _sync_jax_state(self.model)
+        _ki.jax_state_sync(self.model)
         try:
             report = gradient_report(
                 self.model,
@@ -347,15 +350,18 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self.patience = int(patience)
         self.log_file = log_file
         self.locate = locate
+        # Records, kept across `fit` calls.
         self.events = []
         self.trace = []
         self.initial_scale = None
         self.initial_skipped = None
         self.fallbacks = []
         self.last_report = None
-        self._tap = None
-        self._next_step = 0
+        self._next_step = 0  # steps counted over all `fit` calls
         self._log_failed = False
+        # The per-run state is set by `on_train_begin`; outside a `fit`
+        # there is no tap.
+        self._tap = None
 
     # ------------------------------------------------------------ callbacks
 
@@ -365,36 +371,33 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self._tap = _step_tap.StepTap.join(
             model, self, self.params, keep_batch=self.locate
         )
-        self._scaled = self._tap is not None and _step_tap.has_loss_scale(
-            optimizer
-        )
-        self._last_consecutive = 0
-        self._base = 0
-        self._run = None
-        self._stuck = False
-        self._weights_bad = False
-        self._calibrating = False
-        self._loss_ok = True
+        scaled = self._tap is not None and _step_tap.has_loss_scale(optimizer)
+        self._rules = _nonfinite.Rules(patience=self.patience, scaled=False)
+        self._state = _nonfinite.State()
         self._epoch = 0
         self._batch_begin = 0
-        self._scale = None
-        self._skipped = 0
-        self._reset_to = None
-        if self._scaled:
-            self._scale = self._tap.initial_scale
+        self._reset_to = None  # a loss scale to restore after this batch
+        if scaled:
+            self._rules = _nonfinite.Rules(
+                patience=self.patience,
+                scaled=True,
+                dynamic=bool(getattr(optimizer, "dynamic", True)),
+                min_scale=float(getattr(optimizer, "min_scale", 1.0) or 0),
+            )
+            self._state = _nonfinite.start(
+                self._rules,
+                scale=self._tap.initial_scale,
+                skipped=self._tap.initial_skipped,
+                fresh=int(_step_tap.read(optimizer.iterations)) == 0,
+            )
             if self.initial_scale is None:
-                self.initial_scale = self._scale
-            self._min_scale = float(getattr(optimizer, "min_scale", 1.0) or 0)
-            self._dynamic = bool(getattr(optimizer, "dynamic", True))
-            self._skipped = self._tap.initial_skipped
+                self.initial_scale = self._state.scale
             if self.initial_skipped is None:
-                self.initial_skipped = self._skipped
-            fresh = int(_step_tap.read(optimizer.iterations)) == 0
-            self._calibrating = self._dynamic and fresh and self._skipped == 0
+                self.initial_skipped = self._state.skipped
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
-        self._loss_ok = True
+        self._state = dataclasses.replace(self._state, loss_ok=True)
         if self._tap is not None:
             self._tap.new_epoch()
 
@@ -415,39 +418,40 @@ class NonFiniteMonitor(keras.callbacks.Callback):
             # TensorFlow keeps the batch of an execution's last step only:
             # it stands for the steps of the run of skips it ends.
             trailing = all(r["skipped"] for r in rows[i:])
-            self._on_row(
-                step,
-                self._batch_begin + i,
-                row,
-                loss,
-                offsets=(len(rows) - 1 - i, 0 if trailing else None),
+            offsets = (len(rows) - 1 - i, 0 if trailing else None)
+            self._state, verdict = _nonfinite.classify(
+                self._state, row, self._rules
             )
-        if (
-            self._loss_ok
-            and isinstance(loss, (int, float))
-            and not math.isfinite(loss)
-        ):
-            # A non-finite loss no record flagged (a custom train step).
-            self._loss_ok = False
-            self._on_nonfinite_loss(
-                self._next_step - 1, batch, loss, offsets=(0, None)
+            if self._rules.scaled:
+                self.trace.append(
+                    (step, self._state.scale, self._state.skipped)
+                )
+            if verdict is not None:
+                self._on_verdict(
+                    verdict, step, self._batch_begin + i, loss, offsets
+                )
+        self._state, verdict = _nonfinite.classify_logged_loss(
+            self._state, loss
+        )
+        if verdict is not None:
+            self._on_verdict(
+                verdict, self._next_step - 1, batch, loss, (0, None)
             )
         if self._reset_to is not None:
             self._reset_scale(self._reset_to)
             self._reset_to = None
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._weights_bad:
+        if self._state.weights_bad:
             return
-        variable = _first_nonfinite_weight(self.model)
-        if variable is None:
-            return
-        self._weights_bad = True
-        event = self._event(
-            "nonfinite_weights", self._next_step - 1, None, self._scale, None
+        variable = _nonfinite_fallback.first_nonfinite_weight(self.model)
+        self._state, verdict = _nonfinite.classify_weights(
+            self._state, variable
         )
-        event["variable"] = variable
-        self._maybe_locate(event, self._scale, (0, None), keep_variable=True)
+        if verdict is None:
+            return
+        event = self._event(verdict, self._next_step - 1, None, None)
+        self._locate(event, self._state.scale, (0, None), keep_variable=True)
         self._finish(event, actionable=True)
 
     def on_train_end(self, logs=None):
@@ -457,132 +461,58 @@ class NonFiniteMonitor(keras.callbacks.Callback):
 
     # -------------------------------------------------------------- events
 
-    def _on_row(self, step, batch, row, loss, offsets):
-        scale_before = self._scale
-        if self._scaled:
-            self._scale = row["scale"]
-            self._skipped = row["total"]
-            self.trace.append((step, self._scale, self._skipped))
-        if row["skipped"]:
-            self._on_skip(step, batch, row, scale_before, loss, offsets)
+    def _on_verdict(self, verdict, step, batch, loss, offsets):
+        event = self._event(verdict, step, batch, loss)
+        if verdict.kind == "nonfinite_loss":
+            self._on_nonfinite_loss(event, offsets)
             return
-        self._end_skip_run()
-        if row["forward"] and self._loss_ok:
-            # The update went through with a non-finite loss.
-            self._loss_ok = False
-            self._on_nonfinite_loss(step, batch, loss, offsets)
-
-    def _on_skip(self, step, batch, row, scale_before, loss, offsets):
-        consecutive = row["consecutive"]
-        if consecutive <= self._last_consecutive:
-            self._base = 0  # a new run of skips (the optimizer's count)
-        self._last_consecutive = consecutive
-        run_length = max(1, consecutive - self._base)
-        first_in_run = run_length == 1 or self._run is None
-        if first_in_run:
-            self._run = {
-                "forward": False,
-                "layer": None,
-                "variable": None,
-                "all_nonfinite": None,
-                "start_scale": scale_before,
-            }
-        forward = row["forward"]
-        if forward:
-            # The forward pass overflowed: no loss scale can fix that.
-            self._calibrating = False
-        at_min = self._dynamic and scale_before <= self._min_scale
-        if self._calibrating and not at_min:
-            kind = "calibration"
-        elif at_min or run_length >= self.patience:
-            kind = "stuck"
-        else:
-            kind = "overflow"
-        event = self._event(kind, step, batch, scale_before, loss)
-        event["consecutive_skips"] = run_length
-        event["at_min_scale"] = at_min
-        event["loss_finite"] = not forward
-        actionable = kind == "stuck" and not self._stuck
-        if kind == "stuck":
-            self._stuck = True
-        if actionable or (kind == "overflow" and first_in_run):
-            self._maybe_locate(event, scale_before, offsets)
-        self._describe(event, merge_run=kind == "stuck")
-        self._finish(event, actionable=actionable)
-
-    def _describe(self, event, merge_run=False):
-        """Sets where the overflow happened (forward or backward pass) and
-        whether every gradient was non-finite; keeps the run's facts."""
-        run = self._run
-        forward = event.get("loss_finite") is False or bool(event.get("layer"))
-        all_bad = event.get("all_gradients_nonfinite")
-        if all_bad is None and event.get("loss_finite") is False:
-            all_bad = True  # d(non-finite loss)/dw is non-finite for every w
-        if run is not None:
-            run["forward"] = run["forward"] or forward
-            if run["layer"] is None and event.get("layer"):
-                run["layer"] = event["layer"]
-            if run["variable"] is None and event.get("variable"):
-                run["variable"] = event["variable"]
-            if run["all_nonfinite"] is None:
-                run["all_nonfinite"] = all_bad
-            if merge_run:  # the stuck event says what the run showed
-                forward = run["forward"]
-                if run["forward"]:
-                    event["loss_finite"] = False
-                if not event.get("layer") and run["layer"]:
-                    event["layer"] = run["layer"]
-                if not event.get("variable") and run["variable"]:
-                    event["variable"] = run["variable"]
-                if all_bad is None:
-                    all_bad = run["all_nonfinite"]
-        event["overflow_in"] = "forward" if forward else "backward"
-        event["all_gradients_nonfinite"] = all_bad
-        if all_bad:
-            event["variable"] = None
-
-    def _end_skip_run(self):
-        self._calibrating = False
-        self._last_consecutive = 0
-        self._base = 0
-        self._run = None
-        self._stuck = False
-
-    def _on_nonfinite_loss(self, step, batch, loss, offsets):
-        event = self._event("nonfinite_loss", step, batch, self._scale, loss)
-        event["loss_finite"] = False
-        self._maybe_locate(event, self._scale or 1.0, offsets)
-        event["overflow_in"] = "forward"
-        variable = (
-            None if self._weights_bad else _first_nonfinite_weight(self.model)
+        if verdict.locate:
+            self._locate(event, verdict.loss_scale, offsets)
+        run, fields = _nonfinite.describe(
+            self._state.run, event, merge_run=verdict.merge_run
         )
-        event["weights_finite"] = variable is None and not self._weights_bad
-        if variable is None:
+        self._state = dataclasses.replace(self._state, run=run)
+        event.update(fields)
+        self._finish(event, actionable=verdict.actionable)
+
+    def _on_nonfinite_loss(self, event, offsets):
+        self._locate(event, self._state.scale or 1.0, offsets)
+        event["overflow_in"] = "forward"
+        bad = self._state.weights_bad
+        variable = (
+            None
+            if bad
+            else _nonfinite_fallback.first_nonfinite_weight(self.model)
+        )
+        event["weights_finite"] = variable is None and not bad
+        self._state, weights = _nonfinite.classify_weights(
+            self._state, variable
+        )
+        if weights is None:
             self._finish(event, actionable=True)
             return
         # The update went through and broke the weights: act once, on that.
-        self._weights_bad = True
         self._finish(event, actionable=False)
-        weights = dict(event, kind="nonfinite_weights", variable=variable)
-        weights.pop("weights_finite")
-        self._finish(weights, actionable=True)
+        self._finish(
+            _nonfinite.weights_event(event, variable),
+            actionable=weights.actionable,
+        )
 
-    def _event(self, kind, step, batch, scale, loss):
-        return {
-            "step": int(step),
-            "epoch": int(self._epoch),
-            "batch": batch,
-            "kind": kind,
-            "loss_scale": scale,
-            "next_loss_scale": self._scale,
-            "skipped_steps": self._skipped if self._scaled else None,
-            "loss": loss,
-            "layer": None,
-            "variable": None,
-            "action": None,
-        }
+    def _event(self, verdict, step, batch, loss):
+        return _nonfinite.new_event(
+            verdict,
+            step=step,
+            epoch=self._epoch,
+            batch=batch,
+            state=self._state,
+            rules=self._rules,
+            loss=loss,
+        )
 
-    def _maybe_locate(self, event, scale, offsets, keep_variable=False):
+    def _locate(self, event, scale, offsets, keep_variable=False):
+        """Names the first non-finite layer of the step's batch (the first
+        of `offsets`, steps back from the execution's last, that the tap
+        kept) in `event`."""
         if not self.locate:
             return
         batch = None
@@ -592,36 +522,15 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                     batch = self._tap.batch(offset)
                     if batch is not None:
                         break
-        if batch is None:
-            event["locate_error"] = "the offending batch is not available"
-            return
-        x, y, sample_weight = batch
-        model = self.model
-        if getattr(model, "_compile_loss", None) is None:
-            y = None
-        _sync_jax_state(model)
-        try:
-            report = find_nonfinite(
-                model,
-                x,
-                y,
-                sample_weight=sample_weight,
-                loss_scale=scale or 1.0,
-            )
-        except Exception as e:  # locating must never break training
-            event["locate_error"] = f"{type(e).__name__}: {e}"
-            return
-        self.last_report = report
-        event["layer"] = report.layer
-        grads = [
-            r.grad_finite for r in report.rows if r.grad_finite is not None
-        ]
-        if grads:
-            event["all_gradients_nonfinite"] = not any(grads)
-        if report.loss is not None and not math.isfinite(report.loss):
-            event["loss_finite"] = False
-        if not keep_variable or event.get("variable") is None:
-            event["variable"] = report.variable
+        report, fields = _nonfinite_fallback.locate(
+            self.model,
+            batch,
+            scale,
+            variable=event.get("variable") if keep_variable else None,
+        )
+        if report is not None:
+            self.last_report = report
+        event.update(fields)
 
     def _finish(self, event, actionable):
         report = self.last_report if event.get("layer") else None
@@ -633,7 +542,9 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 if fallback_failed:
                     action = "stop"
             event["action"] = action
-        event["message"] = _diagnosis(event, self, fallback_failed)
+        event["message"] = _nonfinite_messages.message(
+            event, self.patience, self._rules.min_scale, fallback_failed
+        )
         self.events.append(event)
         self._write(event)
         if not actionable:
@@ -650,211 +561,44 @@ class NonFiniteMonitor(keras.callbacks.Callback):
 
     def _fallback(self, event, report):
         """Moves the located layer to float32; returns why not, or None."""
-        path = event.get("layer")
-        if path is None or report is None:
-            return "no layer output was non-finite on the offending batch"
-        if event["kind"] == "nonfinite_weights" or self._weights_bad:
-            return "the weights are already non-finite"
-        layer = report.layer_object(path)
-        targets = [layer] + list(layer._flatten_layers(include_self=False))
-        if any(
-            keras.backend.standardize_dtype(v.dtype) != "float32"
-            for t in targets
-            for v in t.weights
-            if v.trainable
-        ):
-            return f"layer {path!r} has variables that are not float32"
-        if all(t.compute_dtype == "float32" for t in targets):
-            return f"layer {path!r} already computes in float32"
-        for t in targets:
-            t.dtype_policy = "float32"
+        result = _nonfinite_fallback.fall_back(
+            event, report, self._state, self._rules
+        )
+        if result.refusal is not None:
+            return result.refusal
         self._tap.rebuild(dirty=True)
         self._tap.prepare()
-        self.fallbacks.append(path)
-        event["fallback_layers"] = [path]
-        if self._scaled and self._dynamic:
-            # The run of skips drove the scale down for a reason now gone:
-            # restart from the scale before the run (growth counter reset).
-            start = (self._run or {}).get("start_scale") or self._scale
-            event["loss_scale_reset_to"] = float(start)
-            self._reset_to = float(start)
-        # A new start for the layer: forget the run of skips.
-        self._base = self._last_consecutive
-        self._stuck = False
-        self._run = None
+        self.fallbacks.append(result.layer)
+        event["fallback_layers"] = [result.layer]
+        if result.reset_to is not None:
+            event["loss_scale_reset_to"] = result.reset_to
+            self._reset_to = result.reset_to
+        self._state = result.state
         return None
 
     def _reset_scale(self, value):
-        """Puts the optimizer's scale to `value` and restarts its growth
-        counter (and kerasmp's hysteresis budget)."""
-        optimizer = self.model.optimizer
-        _sync_jax_state(self.model)
+        _ki.jax_state_sync(self.model)
         try:
-            optimizer.dynamic_scale.assign(value)
-            optimizer.step_counter.assign(0)
-            budget = getattr(optimizer, "hysteresis_budget", None)
-            if isinstance(budget, keras.Variable):
-                budget.assign(optimizer.hysteresis)
+            _nonfinite_fallback.reset_loss_scale(self.model.optimizer, value)
         except Exception as e:  # never break training over this
             warnings.warn(
-                f"kerasmp.NonFiniteMonitor: could not reset the loss scale "
-                f"after the fallback ({type(e).__name__}: {e}).",
+                _nonfinite_messages.reset_failed_message(e),
                 NonFiniteWarning,
                 stacklevel=3,
             )
             return
-        self._scale = value
-        # Skips before the next applied update back the scale off from there:
-        # calibration again, not trouble.
-        self._calibrating = True
+        self._state = _nonfinite.after_scale_reset(self._state, value)
 
     def _write(self, event):
         if self.log_file is None or self._log_failed:
             return
         try:
-            with open(self.log_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps(_jsonable(event)) + "\n")
+            _nonfinite_messages.append_jsonl(self.log_file, event)
         except OSError as e:
             # Losing the log must not lose the run: events stay in memory.
             self._log_failed = True
             warnings.warn(
-                f"kerasmp.NonFiniteMonitor: cannot write to log_file="
-                f"{self.log_file!r} ({e.strerror or e}); events are kept in "
-                "`monitor.events` only from now on.",
+                _nonfinite_messages.log_failed_message(self.log_file, e),
                 NonFiniteWarning,
                 stacklevel=3,
             )
-
-
-def _diagnosis(event, monitor, fallback_failed):
-    kind = event["kind"]
-    step = event["step"]
-    scale = event["loss_scale"]
-    nxt = event["next_loss_scale"]
-    forward = event.get("overflow_in") == "forward"
-    layer = event.get("layer")
-    grads = ""
-    if event.get("all_gradients_nonfinite"):
-        grads = " Every gradient is non-finite."
-    elif event.get("variable") and kind != "nonfinite_weights":
-        grads = f" First non-finite gradient: {event['variable']!r}."
-    where = f" First non-finite layer output: {layer!r}." if layer else ""
-    if kind == "calibration":
-        text = (
-            f"step {step}: gradients overflowed at loss scale {scale:g}; the "
-            f"step was skipped and the scale backed off to {nxt:g}. Normal: "
-            "the scale starts high and backs off until scaled gradients fit "
-            "in float16 (calibration)."
-        )
-    elif kind == "overflow":
-        if forward:
-            text = (
-                f"step {step}: the forward pass overflowed (the loss or a "
-                "layer output is not finite); the step was skipped (weights "
-                f"untouched), scale now {nxt:g}. Loss scaling cannot fix a "
-                "forward overflow; isolated ones come from unusual batches."
-            )
-        else:
-            text = (
-                f"step {step}: non-finite gradients at loss scale {scale:g} "
-                "(the loss was finite: the backward pass overflowed); the "
-                f"step was skipped (weights untouched), scale now {nxt:g}. "
-                "Isolated skips are normal after the scale grows."
-            )
-        text += where + grads
-    elif kind == "stuck":
-        if event.get("at_min_scale"):
-            why = f"the loss scale is at its minimum ({monitor._min_scale:g})"
-        else:
-            why = (
-                f"{event.get('consecutive_skips')} consecutive steps were "
-                f"skipped (patience {monitor.patience})"
-            )
-        text = f"step {step}: training is stuck: {why}."
-        if forward:
-            text += (
-                " The forward pass overflows (the loss or a layer output is "
-                "not finite), so every gradient is non-finite and no loss "
-                "scale can help." + where + grads
-            )
-            if layer and not event.get("fallback_layers"):
-                text += (
-                    f" Compute {layer!r} in float32 (e.g. kerasmp.Policy("
-                    "float32_layers=...)) or use NonFiniteMonitor("
-                    "action='fallback'); check the range of its inputs."
-                )
-            elif not layer:
-                text += (
-                    " Check the inputs for inf/NaN or values too large for "
-                    "float16, or compute the first layers in float32."
-                )
-        else:
-            text += (
-                f" The loss is finite: the backward pass overflows float16 "
-                f"at loss scale {scale:g}." + where + grads
-            )
-            if not event.get("fallback_layers"):
-                text += (
-                    " Compute the layers near that gradient in float32 "
-                    "(kerasmp.Policy(float32_layers=...)), keep activations "
-                    "smaller (normalization, clipping), or lower the "
-                    "optimizer's min_scale."
-                )
-    elif kind == "nonfinite_loss":
-        text = (
-            f"step {step}: the loss is {event['loss']} and the update was "
-            "applied (no loss-scale skip)." + where + grads
-        )
-    else:
-        text = (
-            f"epoch {event['epoch']}: weights hold inf/NaN (first: "
-            f"{event.get('variable')!r})." + where
-        )
-    if event.get("fallback_layers"):
-        text += (
-            f" Fallback: {', '.join(event['fallback_layers'])} now computes "
-            "in float32; training continues"
-        )
-        if event.get("loss_scale_reset_to") is not None:
-            text += (
-                " with the loss scale reset to "
-                f"{event['loss_scale_reset_to']:g} (its value before the "
-                "skipped steps)"
-            )
-        text += "."
-    elif fallback_failed:
-        text += f" Fallback impossible ({fallback_failed}): stopping."
-    return "kerasmp.NonFiniteMonitor: " + text
-
-
-def _jsonable(event):
-    out = {}
-    for key, value in event.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            value = str(value)
-        out[key] = value
-    return out
-
-
-def _sync_jax_state(model):
-    if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
-        model.jax_state_sync()
-
-
-def _first_nonfinite_weight(model):
-    """Path of the first float weight holding inf/NaN, or None (one sync)."""
-    _sync_jax_state(model)
-    weights = [
-        v
-        for v in model.weights
-        if keras.backend.is_float_dtype(
-            keras.backend.standardize_dtype(v.dtype)
-        )
-    ]
-    if not weights:
-        return None
-    flags = ops.stack([ops.all(ops.isfinite(v)) for v in weights])
-    flags = _step_tap.read(flags)
-    if flags.all():
-        return None
-    return weights[int((~flags).argmax())].path

@@ -440,11 +440,6 @@ def test_patch_tf2onnx_exists():
 ROOT = pathlib.Path(kerasmp.__file__).parent
 SEAM = "_keras_internals.py"
 
-# Modules whose private Keras accesses are still to move into the seam
-# (docs/architecture.md, "To move next").
-TO_MOVE = {
-    "callbacks.py",
-}
 # Private attributes of objects that are not Keras objects
 # (docs/architecture.md, "Documented exceptions").
 NOT_KERAS = {
@@ -561,7 +556,7 @@ def test_no_private_keras_access_outside_the_seam():
     keras_private = _private_keras_names()
     problems = []
     for name, path in _kerasmp_modules().items():
-        if name == SEAM or name in TO_MOVE:
+        if name == SEAM:
             continue
         finder = _Finder()
         finder.visit(ast.parse(path.read_text(), filename=str(path)))
