@@ -4,6 +4,11 @@ Each format has a writer (`write_<format>`) and a reader (`run_<format>`)
 that loads the artifact with its own runtime and runs it on numpy inputs:
 Keras for `.keras`, `tf.saved_model.load` for SavedModel, ai_edge_litert for
 TFLite, onnxruntime for ONNX.
+
+Length: four formats, each a writer and a reader with its runtime's quirks
+(SavedModel signatures, the TFLite converter, tf2onnx), plus the input specs
+and batched runs they share; splitting one file per format would spread the
+shared spec and run helpers over five modules.
 """
 
 import dataclasses

@@ -19,6 +19,10 @@ The original model is held but not tracked, so saving or exporting the
 their variables by object identity on the original model, and by position
 within the same class's own construction order when a `.keras` file is
 loaded (the same code builds them in the same order).
+
+Length: `HalfModel` (its call, config round trip and reports), the plan of
+which variables and layers stay float32 and why, and the argument checks of
+`to_float16`: one mechanism, kept together.
 """
 
 import functools

@@ -195,12 +195,12 @@ def _layer_call(self, *args, **kwargs):
 
 
 def _compile(self, *args, **kwargs):
-    from kerasmp import _step_tap
+    from kerasmp import _skip_guard
 
     original = _originals["compile"]
     if not _governed_layers(self):
         result = original(self, *args, **kwargs)
-        _step_tap.guard_skipped_steps(self)  # kerasmp's optimizer, if given
+        _skip_guard.guard_skipped_steps(self)  # kerasmp's optimizer, if given
         return result
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
@@ -219,7 +219,7 @@ def _compile(self, *args, **kwargs):
     # kerasmp has decided; keep stock Keras's name-based rule out of it.
     arguments["auto_scale_loss"] = False
     result = original(*bound.args, **bound.kwargs)
-    _step_tap.guard_skipped_steps(self)  # skipped steps keep BN statistics
+    _skip_guard.guard_skipped_steps(self)  # skipped steps keep BN statistics
     if keras.backend.backend() == "tensorflow":
         # Every worker of a multi-worker job compiles: check there that
         # they all train with the same precision settings.

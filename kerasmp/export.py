@@ -32,6 +32,11 @@ Nothing is written at `path` unless the export succeeds (and, with
 `path` and published with one atomic rename, so `path` always holds either
 the complete old artifact or the complete new one; `check_target` validates
 a target before any model work.
+
+Length: the public export API (`export`, `to_float16`, `ExportReport` and
+its table, `ParityError`, `check_target`, the `ExportFormat` registry) with
+Keras-convention docstrings and argument checks, and the atomic publishing
+that protects `path`; the engine and the writers are already apart.
 """
 
 import argparse

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kerasmp import _step_tap
+from kerasmp import _skip_guard
 from kerasmp.callbacks import LossScaleMonitor
 from kerasmp.callbacks import NonFiniteMonitor
 from kerasmp.errors import NonFiniteWarning
@@ -32,7 +32,7 @@ def _tap_removed(model):
     """No monitor's step wrapper is left on the model (kerasmp's own
     skipped-step guard, installed by compile, may be)."""
     step = model.__dict__.get("train_step")
-    return step is None or _step_tap.is_skip_guard(step)
+    return step is None or _skip_guard.is_skip_guard(step)
 
 
 class NaiveSoftmax(keras.layers.Layer):

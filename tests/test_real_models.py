@@ -64,28 +64,41 @@ def _application(fn, size=32):
         base = fn(weights=None, include_top=False, pooling="avg",
                   input_shape=(size, size, 3))
         inputs = keras.Input((size, size, 3))
-        outputs = keras.layers.Dense(3, activation="softmax")(base(inputs))
+        # Untrained backbones' pooled features are huge or tiny; normalized,
+        # they give the head probabilities that vary from image to image,
+        # so the parity checks compare something.
+        x = keras.layers.LayerNormalization()(base(inputs))
+        outputs = keras.layers.Dense(3, activation="softmax")(x)
         return keras.Model(inputs, outputs)
 
     def data(n, seed=0):
+        # Images that differ in what survives global pooling: per-image
+        # channel gains and offsets on a noise texture (iid noise images
+        # all pool to the same features).
         rng = np.random.default_rng(seed)
-        return rng.uniform(0, 255, (n, size, size, 3)).astype("float32")
+        gain = rng.uniform(0.2, 1.0, (n, 1, 1, 3))
+        offset = rng.uniform(0, 128, (n, 1, 1, 3))
+        noise = rng.uniform(0, 127, (n, size, size, 3))
+        return (offset + gain * noise).astype("float32")
 
     return build, data
 
 
+CNNS = ("vgg16", "resnet50")
 MODELS = {
     "bert": _transformer(keras_hub.models.BertBackbone),
     "gpt2": _transformer(keras_hub.models.GPT2Backbone),
-    # Not MobileNetV3Small: built from scratch its pooled features are
-    # ~1e-10 (below float16's range), so every output is exactly 1/3 in
-    # both precisions and a parity check would prove nothing.
-    "densenet121": _application(keras.applications.DenseNet121),
+    # Not MobileNetV3Small (or MobileNet, MobileNetV2): built from scratch
+    # their pooled features are ~1e-10, below float16's range, so every
+    # output is the same in both precisions and parity would prove nothing.
+    # Not DenseNet121: XLA compiles its train step for 4-6 minutes on a CPU.
+    "vgg16": _application(keras.applications.VGG16),
     "resnet50": _application(keras.applications.ResNet50),
 }
 
 
 def _build(name):
+    keras.utils.set_random_seed(0)  # the same weights in every run
     kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     try:
         return MODELS[name][0]()
@@ -107,7 +120,7 @@ def _all_finite(model):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fit_with_monitors(name, jit_compile):
     if (BACKEND == "tensorflow" and not jit_compile
-            and name in ("resnet50", "densenet121")):
+            and name in CNNS):
         pytest.skip("TF float16 convolutions without XLA are 100x+ slower on "
                     "a CPU; the XLA run covers the model")
     model = _build(name)
@@ -164,7 +177,7 @@ def test_saved_file_reloads_without_kerasmp(name, tmp_path):
     # the same. Transformer blocks create their sublayers in code, which
     # (without kerasmp) take the block's policy: the top-level layers keep
     # their dtypes, and the predictions differ at float16 level.
-    cnn = name in ("densenet121", "resnet50")
+    cnn = name in CNNS
     out = subprocess.run(
         [sys.executable, "-c", _NO_KERASMP.format(
             path=path, x_path=str(tmp_path / "x.npz"), leaves=cnn)],
@@ -204,7 +217,7 @@ def test_export_with_parity_report(name, fmt, tmp_path):
     assert report.max_abs_diff <= 1e-2, str(report)
     # Half-precision weights; small models carry format overhead (graph,
     # many small batch-norm vectors), so the ratio is not exactly 0.5.
-    assert report.size_ratio <= 0.65, str(report)
+    assert report.size_ratio <= 0.6, str(report)
     print(f"\n{name} {fmt}: size ratio {report.size_ratio:.3f}, "
           f"max diff {report.max_abs_diff:.2e}")
     if report.top1_agreement is not None:

@@ -268,11 +268,11 @@ def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
     """The guard finds, at trace time, which non-trainable variables the
     step writes: batch-norm statistics and the dropout seed yes, a frozen
     layer's weights no (nothing is read or written back for them)."""
-    from kerasmp import _step_tap
+    from kerasmp import _skip_guard
 
     restored = []
     if keras.backend.backend() == "jax":
-        original = _step_tap._restore_jax
+        original = _skip_guard.restore_jax
 
         def spy(state, new_state, skipped):
             restored.append([
@@ -281,9 +281,9 @@ def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
             ])
             return original(state, new_state, skipped)
 
-        monkeypatch.setattr(_step_tap, "_restore_jax", spy)
+        monkeypatch.setattr(_skip_guard, "restore_jax", spy)
     else:
-        original = _step_tap._Frozen.assigned
+        original = _skip_guard.Frozen.assigned
 
         def spy(self):
             pairs = original(self)
@@ -293,7 +293,7 @@ def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
             ])
             return pairs
 
-        monkeypatch.setattr(_step_tap._Frozen, "assigned", spy)
+        monkeypatch.setattr(_skip_guard.Frozen, "assigned", spy)
     set_global_policy(Policy("mixed_float16"))
     keras.utils.set_random_seed(0)
     frozen = keras.layers.Dense(3, name="frozen")
