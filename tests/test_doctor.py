@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kerasmp.cli import main
+from kerasmp.apps.cli import main
 from kerasmp.doctor import Device
 from kerasmp.doctor import recommend
 
