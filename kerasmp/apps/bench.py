@@ -50,6 +50,9 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._devices import jax_memory_stats
+from kerasmp._devices import main_device
+from kerasmp._devices import tf_first_gpu
 from kerasmp._table import render_table
 from kerasmp.apps.zoo import MODELS  # noqa: F401  (the CLI's choices)
 from kerasmp.apps.zoo import NUM_CLASSES  # noqa: F401  (re-exported)
@@ -192,9 +195,7 @@ def _numpy_dtype(dtype):
 
 def _accelerator():
     """`("gpu"|"tpu"|"cpu", device name)` of the active backend."""
-    from kerasmp.doctor import doctor
-
-    dev = doctor().devices[0]
+    dev = main_device()
     return dev.kind, dev.name
 
 
@@ -230,12 +231,13 @@ def _matmul_precision(highest):
 def _tf_gpu_peak(reset):
     import tensorflow as tf
 
-    if not tf.config.list_logical_devices("GPU"):
+    gpu = tf_first_gpu()
+    if gpu is None:
         return None
     if reset:
-        tf.config.experimental.reset_memory_stats("GPU:0")
+        tf.config.experimental.reset_memory_stats(gpu)
         return None
-    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+    return int(tf.config.experimental.get_memory_info(gpu)["peak"])
 
 
 def _jax_step_bytes(model, x, y):
@@ -256,10 +258,7 @@ def _jax_step_bytes(model, x, y):
 
 
 def _jax_device_peak():
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
+    peak = jax_memory_stats()[1].get("peak_bytes_in_use")
     return None if peak is None else int(peak)
 
 

@@ -42,6 +42,7 @@ import warnings
 import keras
 import numpy as np
 
+from kerasmp._devices import main_device
 from kerasmp._table import render_table
 from kerasmp.apps.zoo import digits_cnn
 
@@ -322,10 +323,7 @@ def _served_accuracy(fmt, path, x_test, y_test):
 
 def _device():
     try:
-        from kerasmp.doctor import doctor
-
-        report = doctor()
-        dev = report.devices[0]
+        dev = main_device()
         return f"{dev.kind}: {dev.name}"
     except Exception as e:  # the demo never fails for lack of a device name
         return f"unknown ({e})"

@@ -110,6 +110,14 @@ def build_model(spec):
 
     Returns:
         A `keras.Model` ending in a softmax over 10 classes.
+
+    Example:
+
+    >>> spec = ModelSpec("mlp", batch_size=32, width=64, depth=2,
+    ...                  input_size=16)
+    >>> build_model(spec).output_shape
+    (None, 10)
+    >>> x, y = make_data(spec, 64)   # inputs and labels for 64 samples
     """
     layers = keras.layers
     if spec.name == "mlp":
@@ -174,7 +182,17 @@ def encoder_block(x, d_model, heads, d_ff, dropout=0.0, name="block"):
 
 
 def make_data(spec, n, seed=0):
-    """Random inputs and labels for `n` samples of `spec`'s model."""
+    """Random inputs and labels for `n` samples of `spec`'s model.
+
+    Args:
+        spec: A `ModelSpec`.
+        n: Number of samples.
+        seed: Seed of the NumPy generator. Defaults to 0.
+
+    Returns:
+        `(x, y)`: float32 features/images (int32 token ids for the
+        transformer) and int32 labels in `[0, NUM_CLASSES)`.
+    """
     rng = np.random.default_rng(seed)
     if spec.name == "transformer":
         x = rng.integers(0, spec.vocab, size=(n, spec.input_size),
