@@ -3,11 +3,11 @@ and exportable.
 
 `import kerasmp` is cheap: it imports neither Keras nor TensorFlow/JAX. The
 public names below are imported on first use (PEP 562 module `__getattr__`),
-so `kerasmp --help` and `from kerasmp import cli` start in a fraction of a
-second. kerasmp's policy hooks (see `kerasmp._hooks`) and its serializable
-classes are installed as soon as Keras is imported, whichever of `kerasmp`
-and `keras` the program imports first, so a saved model that names
-`kerasmp>Policy` or `kerasmp>LossScaleOptimizer` loads after a bare
+so `kerasmp --help` and `from kerasmp.apps import cli` start in a fraction
+of a second. kerasmp's policy hooks (see `kerasmp._hooks`) and its
+serializable classes are installed as soon as Keras is imported, whichever
+of `kerasmp` and `keras` the program imports first, so a saved model that
+names `kerasmp>Policy` or `kerasmp>LossScaleOptimizer` loads after a bare
 `import kerasmp`. The hooks act only on layers governed by a
 `kerasmp.Policy`.
 """

@@ -1,5 +1,5 @@
 import sys
 
-from kerasmp.cli import main
+from kerasmp.apps.cli import main
 
 sys.exit(main())

@@ -26,6 +26,7 @@ from keras import ops
 
 from kerasmp import _batch_grads as _bg
 from kerasmp._layers import walk
+from kerasmp._table import render_table
 from kerasmp.gradients import GradientReport  # noqa: F401
 from kerasmp.gradients import gradient_report  # noqa: F401
 from kerasmp.gradients import plot_gradient_report  # noqa: F401
@@ -142,7 +143,7 @@ class NonFiniteReport:
         header = ["#", "layer", "class", "dtype", "max|output|", "headroom"]
         if with_grads:
             header.append("max|grad|")
-        table = [header]
+        table = []
         for i, r in enumerate(self.rows):
             line = [
                 str(i),
@@ -157,16 +158,14 @@ class NonFiniteReport:
                     "" if r.grad_max_abs is None else _bg.fmt(r.grad_max_abs)
                 )
             table.append(line)
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         first = next(
-            (i for i, r in enumerate(self.rows, 1) if not r.finite), None
+            (i for i, r in enumerate(self.rows) if not r.finite), None
         )
-        lines = []
-        for i, row in enumerate(table):
-            line = "  ".join(c.ljust(w) for c, w in zip(row, widths))
-            if i == first:
-                line += "  <- first non-finite output"
-            lines.append(line.rstrip())
+        lines = [render_table(
+            header, table, strip=True,
+            marks=None if first is None
+            else {first: "<- first non-finite output"},
+        )]
         summary = []
         if self.cause is not None:
             summary.append(f"first cause: {self.cause}")

@@ -2,7 +2,8 @@
 
 Reports versions, the Keras backend, the devices that backend sees, and the
 policy to use here, with the reason. It never fails on a machine without an
-accelerator: unknown facts are reported as unknown.
+accelerator: unknown facts are reported as unknown. The device lookup itself
+lives in `kerasmp._devices` (shared with `PerformanceMonitor` and the apps).
 """
 
 import dataclasses
@@ -12,15 +13,9 @@ import os
 import platform
 import sys
 
-
-@dataclasses.dataclass
-class Device:
-    """An accelerator or CPU as the active backend sees it."""
-
-    kind: str  # "gpu", "tpu" or "cpu"
-    name: str
-    compute_capability: tuple | None = None
-    bf16_instructions: bool = False  # CPU: avx512_bf16 or amx_bf16
+from kerasmp._devices import Device  # noqa: F401  (kerasmp.doctor.Device)
+from kerasmp._devices import cpu_flags
+from kerasmp._devices import visible_devices
 
 
 @dataclasses.dataclass
@@ -68,33 +63,11 @@ def _version(dist):
         return "not installed"
 
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _tensor_cores(dev):
     if dev.kind == "tpu":
         return "bfloat16 matrix units"
     if dev.kind == "cpu":
-        flags = _cpu_flags()
+        flags = cpu_flags()
         bf16 = "amx_bf16" in flags or "avx512_bf16" in flags
         fp16 = "amx_fp16" in flags or "avx512_fp16" in flags
         if bf16 or fp16:
@@ -111,62 +84,6 @@ def _tensor_cores(dev):
     if cc >= (7, 0):
         return "float16 tensor cores (no bfloat16)"
     return "no tensor cores"
-
-
-def _parse_cc(value):
-    if value is None:
-        return None
-    if isinstance(value, (tuple, list)):
-        return tuple(int(v) for v in value[:2])
-    try:
-        major, minor = str(value).split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return None
-
-
-def _devices(backend):
-    devices = []
-    try:
-        if backend == "tensorflow":
-            import tensorflow as tf
-
-            for gpu in tf.config.list_physical_devices("GPU"):
-                details = tf.config.experimental.get_device_details(gpu)
-                devices.append(Device(
-                    "gpu", details.get("device_name", gpu.name),
-                    _parse_cc(details.get("compute_capability")),
-                ))
-            for tpu in tf.config.list_physical_devices("TPU"):
-                devices.append(Device("tpu", tpu.name))
-        elif backend == "jax":
-            import jax
-
-            for d in jax.devices():
-                if d.platform == "gpu":
-                    devices.append(Device(
-                        "gpu", d.device_kind,
-                        _parse_cc(getattr(d, "compute_capability", None)),
-                    ))
-                elif d.platform == "tpu":
-                    devices.append(Device("tpu", d.device_kind))
-        elif backend == "torch":
-            import torch
-
-            for i in range(torch.cuda.device_count()):
-                devices.append(Device(
-                    "gpu", torch.cuda.get_device_name(i),
-                    tuple(torch.cuda.get_device_capability(i)),
-                ))
-    except Exception as e:  # never fail: report what we could not find out
-        devices.append(Device("cpu", f"(could not query accelerators: {e})"))
-    if not any(d.kind in ("gpu", "tpu") for d in devices):
-        flags = _cpu_flags()
-        devices.append(Device(
-            "cpu", _cpu_name(),
-            bf16_instructions=bool({"avx512_bf16", "amx_bf16"} & flags),
-        ))
-    return devices
 
 
 def recommend(devices, backend="tensorflow"):
@@ -245,7 +162,7 @@ def doctor():
         "tensorflow": _version("tensorflow"),
         "jax": _version("jax"),
     }
-    devices = _devices(backend)
+    devices = visible_devices(backend)
     policy, reason, warnings = recommend(devices, backend)
     if "KERAS_BACKEND" not in os.environ and backend == "tensorflow":
         reason += " (backend: tensorflow, the default; set KERAS_BACKEND=jax" \

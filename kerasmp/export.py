@@ -59,6 +59,7 @@ from kerasmp import _export_formats as _io
 from kerasmp import _half
 from kerasmp._half import DTYPES
 from kerasmp._half import FLOAT16_MAX  # noqa: F401  (public constant)
+from kerasmp._table import render_table
 
 FORMATS = tuple(_io.REGISTRY)  # ("keras", "savedmodel", "tflite", "onnx")
 EXPORT_DTYPES = DTYPES + ("float32",)
@@ -201,10 +202,8 @@ class ExportReport:
         ]
         if self.notes:
             rows.append(("notes", self.notes))
-        width = max(len(k) for k, _ in rows)
-        lines = ["kerasmp export report"]
-        lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-        return "\n".join(lines)
+        return "kerasmp export report\n" + render_table(None, rows,
+                                                          indent="  ")
 
     __repr__ = __str__
 

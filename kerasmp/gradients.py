@@ -29,6 +29,7 @@ from keras import ops
 
 from kerasmp import _batch_grads as _bg
 from kerasmp import debug as _debug
+from kerasmp._table import render_table
 from kerasmp.policy import stored_policy
 
 DEFAULT_SCALES = tuple(2.0**k for k in range(25))
@@ -197,7 +198,7 @@ class GradientReport:
         }
 
     def __str__(self):
-        table = [("scale", "log2", "overflow", "underflow", "rel_error")]
+        table = []
         for r in self.rows:
             table.append((
                 f"{r.scale:g}",
@@ -207,15 +208,15 @@ class GradientReport:
                 "inf" if not math.isfinite(r.rel_error)
                 else f"{r.rel_error:.3g}",
             ))
-        widths = [max(len(row[i]) for row in table) for i in range(5)]
         lines = [f"gradient_report: policy {self.policy}, loss "
                  f"{_bg.fmt(self.loss)} (float32: "
                  f"{_bg.fmt(self.loss_float32)})"]
-        for i, row in enumerate(table):
-            line = "  ".join(c.rjust(w) for c, w in zip(row, widths))
-            if i and self.rows[i - 1].scale == self.recommended_scale:
-                line += "  <- recommended"
-            lines.append(line)
+        lines.append(render_table(
+            ("scale", "log2", "overflow", "underflow", "rel_error"), table,
+            align=">",
+            marks={i: "<- recommended" for i, r in enumerate(self.rows)
+                   if r.scale == self.recommended_scale},
+        ))
         if self.recommended_scale is None:
             lines.append("recommended scale: none (every scale overflows: "
                          "the float16 passes overflow whatever the scale)")

@@ -18,23 +18,10 @@ import warnings
 
 import keras
 
+from kerasmp._devices import jax_memory_stats
+from kerasmp._devices import tf_first_gpu
+
 MIB = 2**20
-
-
-def _tf_gpu():
-    """The first TensorFlow GPU device name, or None."""
-    import tensorflow as tf
-
-    gpus = tf.config.list_logical_devices("GPU")
-    return gpus[0].name.replace("/device:", "") if gpus else None
-
-
-def _jax_device_stats():
-    import jax
-
-    device = jax.devices()[0]
-    stats = device.memory_stats() or {}
-    return device, stats
 
 
 def _rss_peak_bytes():
@@ -154,17 +141,17 @@ class PerformanceMonitor(keras.callbacks.Callback):
         backend = keras.backend.backend()
         self._tf_device = None
         self._jax_peak = False
-        if backend == "tensorflow" and _tf_gpu() is not None:
-            self._tf_device = _tf_gpu()
+        if backend == "tensorflow" and tf_first_gpu() is not None:
+            self._tf_device = tf_first_gpu()
             self.memory_source = (
                 f"tf.config.experimental.get_memory_info('{self._tf_device}')"
                 "['peak'] (per epoch)"
             )
         elif backend == "jax" and "peak_bytes_in_use" in (
-            _jax_device_stats()[1]
+            jax_memory_stats()[1]
         ):
             self._jax_peak = True
-            device = _jax_device_stats()[0]
+            device = jax_memory_stats()[0]
             self.memory_source = (
                 f"jax {device} memory_stats()['peak_bytes_in_use'] "
                 "(process high-water mark)"
@@ -263,7 +250,7 @@ class PerformanceMonitor(keras.callbacks.Callback):
                 "peak"
             ]
         if self._jax_peak:
-            return _jax_device_stats()[1]["peak_bytes_in_use"]
+            return jax_memory_stats()[1]["peak_bytes_in_use"]
         return _rss_peak_bytes()
 
 

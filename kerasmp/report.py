@@ -6,6 +6,7 @@ import keras
 
 from kerasmp import policy as _policy
 from kerasmp._layers import walk
+from kerasmp._table import render_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +58,12 @@ class DTypeReport:
         return [dataclasses.asdict(r) for r in self.rows]
 
     def __str__(self):
-        header = ("path", "class", "compute", "variables", "why")
-        table = [header] + [
-            (r.path, r.layer_class, r.compute_dtype, r.variable_dtype, r.reason)
-            for r in self.rows
-        ]
-        widths = [max(len(str(row[i])) for row in table) for i in range(5)]
-        lines = []
-        for i, row in enumerate(table):
-            lines.append(
-                "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-            )
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return render_table(
+            ("path", "class", "compute", "variables", "why"),
+            [(r.path, r.layer_class, r.compute_dtype, r.variable_dtype,
+              r.reason) for r in self.rows],
+            rule="columns", strip=True,
+        )
 
     __repr__ = __str__
 

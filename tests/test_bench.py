@@ -17,8 +17,8 @@ import sys
 import keras
 import pytest
 
-from kerasmp import bench
-from kerasmp import cli
+from kerasmp.apps import bench
+from kerasmp.apps import cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPUTE = {"float32": "float32", "mixed_float16": "float16",

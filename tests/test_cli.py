@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import kerasmp
-from kerasmp import cli
+from kerasmp.apps import cli
 
 ROOT = Path(kerasmp.__file__).resolve().parents[1]
 HEAVY = ("keras", "tensorflow", "jax")
@@ -353,7 +353,7 @@ def test_readme_cli_reference_is_generated_from_the_parser():
     block, text = _readme_block()
     assert block.strip() == cli.markdown_reference().strip(), (
         "README.md's command-line reference is stale: regenerate it with "
-        "python -c 'from kerasmp import cli; "
+        "python -c 'from kerasmp.apps import cli; "
         "print(cli.markdown_reference())'")
     parser = cli.build_parser()
     for name, sub in cli._subparsers(parser).items():
@@ -371,9 +371,9 @@ def test_readme_cli_reference_is_generated_from_the_parser():
 
 
 def test_parser_choices_match_the_modules():
-    from kerasmp import bench
-    from kerasmp import demo
     from kerasmp import export
+    from kerasmp.apps import bench
+    from kerasmp.apps import demo
 
     assert cli.DEMO_POLICIES == demo.POLICIES
     assert cli.DEMO_DEFAULT_EPOCHS == demo.DEFAULT_EPOCHS

@@ -17,8 +17,8 @@ import keras
 import numpy as np
 import pytest
 
-from kerasmp import cli
-from kerasmp import demo
+from kerasmp.apps import cli
+from kerasmp.apps import demo
 from kerasmp.data import load_digits
 
 SUMMARY_KEYS = {

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kerasmp.cli import main
+from kerasmp.apps.cli import main
 from kerasmp.doctor import Device
 from kerasmp.doctor import recommend
 
@@ -52,3 +52,33 @@ def test_cli_doctor_text(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "recommended policy:" in out
+
+
+def test_one_device_lookup_for_doctor_and_the_apps():
+    import keras
+
+    import kerasmp
+    from kerasmp import _devices
+
+    report = kerasmp.doctor()
+    assert _devices.main_device() == report.devices[0]
+    assert _devices.visible_devices(keras.backend.backend()) == report.devices
+    if report.devices[0].kind == "cpu":
+        # The name /proc/cpuinfo gives, read here independently.
+        try:
+            with open("/proc/cpuinfo") as f:
+                names = [line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")]
+        except OSError:
+            names = []
+        if names:
+            assert report.devices[0].name == names[0]
+
+
+def test_device_helpers_fall_back_to_the_cpu(monkeypatch):
+    from kerasmp import _devices
+
+    devices = _devices.visible_devices("no-such-backend")
+    assert [d.kind for d in devices] == ["cpu"]
+    monkeypatch.setattr(_devices, "cpu_name", lambda: "test cpu")
+    assert _devices.visible_devices("no-such-backend")[0].name == "test cpu"

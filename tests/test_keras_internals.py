@@ -443,17 +443,25 @@ SEAM = "_keras_internals.py"
 # Private attributes of objects that are not Keras objects
 # (docs/architecture.md, "Documented exceptions").
 NOT_KERAS = {
-    ("cli.py", "_actions"),  # argparse.ArgumentParser
-    ("cli.py", "_choices_actions"),  # argparse subparsers action
-    ("cli.py", "_SubParsersAction"),  # argparse class
-    ("cli.py", "_modules"),  # kerasmp's own argparse.Namespace fields
-    ("cli.py", "_sample"),
-    ("cli.py", "_quiet"),
+    ("apps/cli.py", "_actions"),  # argparse.ArgumentParser
+    ("apps/cli.py", "_choices_actions"),  # argparse subparsers action
+    ("apps/cli.py", "_SubParsersAction"),  # argparse class
+    ("apps/cli.py", "_modules"),  # kerasmp's own argparse.Namespace fields
+    ("apps/cli.py", "_sample"),
+    ("apps/cli.py", "_quiet"),
 }
 
 
 def _kerasmp_modules():
-    return {p.name: p for p in sorted(ROOT.glob("*.py"))}
+    """`{path relative to kerasmp/: path}` of the library and its apps."""
+    paths = sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("apps/*.py"))
+    return {p.relative_to(ROOT).as_posix(): p for p in paths}
+
+
+def test_the_scan_covers_the_apps():
+    names = set(_kerasmp_modules())
+    assert {"policy.py", "apps/cli.py", "apps/bench.py", "apps/demo.py",
+            "apps/zoo.py"} <= names
 
 
 def _private_keras_names():

@@ -370,7 +370,7 @@ def test_dtype_report_rows_and_reasons():
 
 
 def test_cli_inspect_prints_saved_model_report(tmp_path, capsys):
-    from kerasmp.cli import main
+    from kerasmp.apps.cli import main
 
     kerasmp.set_global_policy("mixed_float16")
     model = _block_model()

@@ -2,11 +2,11 @@
 
 Run through `benchmarks/gpu/run.sh OUTDIR`, which sets up the environment
 (JAX backend, kerasmp from the checkout, keras from wheels if needed). Uses
-`kerasmp.bench` with the "gpu" preset (or "smoke" with `--smoke`) and writes
-`OUTDIR/table.txt` and `OUTDIR/result.json`, rewritten after each policy so
-that a run stopped early keeps what it measured. Ratios are relative to
-float32 with matmul precision "highest" (true float32), which runs last
-because it is the slowest.
+`kerasmp.apps.bench` with the "gpu" preset (or "smoke" with `--smoke`) and
+writes `OUTDIR/table.txt` and `OUTDIR/result.json`, rewritten after each
+policy so that a run stopped early keeps what it measured. Ratios are
+relative to float32 with matmul precision "highest" (true float32), which
+runs last because it is the slowest.
 """
 
 import argparse
@@ -19,7 +19,7 @@ RUN_ORDER = ("float32", "mixed_bfloat16", "mixed_float16", "float32_highest")
 
 
 def _write(out, result, command):
-    from kerasmp import bench
+    from kerasmp.apps import bench
 
     result = dict(result, command=command,
                   tensorflow_imported="tensorflow" in sys.modules)
@@ -47,7 +47,7 @@ def main(argv=None):
 
     import keras
 
-    from kerasmp import bench
+    from kerasmp.apps import bench
 
     if keras.backend.backend() != "jax":
         print("bench_gpu.py: set KERAS_BACKEND=jax", file=sys.stderr)

@@ -24,7 +24,8 @@ The README's "Command line" section is generated from this parser
 Length: one argparse parser for five sub-commands, their argument checks
 and the generated README reference; kept in one module because it must
 import only the standard library (the sub-commands' code lives in
-`doctor.py`, `demo.py`, `bench.py`, `export.py`).
+`kerasmp/doctor.py`, `kerasmp/export.py`, and `demo.py` and `bench.py`
+beside this module in `kerasmp/apps/`).
 """
 
 import argparse
@@ -39,8 +40,9 @@ import tempfile
 import zipfile
 
 # Choices and defaults of the sub-commands. They mirror constants of
-# `kerasmp.demo`, `kerasmp.export` and `kerasmp.bench`, which import Keras,
-# so the parser keeps its own copies; tests/test_cli.py checks they agree.
+# `kerasmp.apps.demo`, `kerasmp.export` and `kerasmp.apps.bench`, which
+# import Keras, so the parser keeps its own copies; tests/test_cli.py checks
+# they agree.
 DEMO_POLICIES = ("mixed_float16", "mixed_bfloat16")
 DEMO_DEFAULT_EPOCHS = 12
 DEMO_QUICK_EPOCHS = 2
@@ -191,7 +193,7 @@ def unsafe_contents(config):
         A list of `(kind, name)`: `("module", "pkg.mod")` for every module
         outside `SAFE_PACKAGES` the config names that is not imported yet
         (Keras would not import it, but a `from_config` may; one already
-        imported, as when `kerasmp.cli.main` runs in the process that
+        imported, as when `kerasmp.apps.cli.main` runs in the process that
         defined the class, runs no new code), `("lambda", layer name)` for
         `Lambda` layers and `("lambda", "__lambda__")` for other lambdas.
     """
@@ -453,7 +455,7 @@ def _check_demo(args):
 
 def _demo(args):
     _import_keras(args)
-    from kerasmp import demo
+    from kerasmp.apps import demo
 
     return demo.run(args)
 
@@ -608,7 +610,7 @@ def _write_json(path, obj):
 
 def _bench(args):
     _import_keras(args)
-    from kerasmp import bench
+    from kerasmp.apps import bench
 
     preset = args.preset or ("quick" if args.quick else "default")
     on_progress = None

@@ -1,13 +1,14 @@
 """`kerasmp demo`: float32 vs mixed precision on real data, in one command.
 
-Trains the same small CNN twice on the 8x8 handwritten digits that ship with
-kerasmp (`kerasmp.data.load_digits`, nothing is downloaded): once in float32,
-once under a `kerasmp.Policy` ("mixed_float16" by default) with
-`kerasmp.optimizer.LossScaleOptimizer`, `LossScaleMonitor` and
-`NonFiniteMonitor`. Both runs start from the same weights and see the batches
-in the same order (same seed). It then exports the mixed-precision model in
-half precision with `kerasmp.export` and prints a table: test accuracy, wall
-time, final loss scale, skipped steps, events, export size ratio and parity.
+Trains the same small CNN (`kerasmp.apps.zoo.digits_cnn`) twice on the 8x8
+handwritten digits that ship with kerasmp (`kerasmp.data.load_digits`,
+nothing is downloaded): once in float32, once under a `kerasmp.Policy`
+("mixed_float16" by default) with `kerasmp.optimizer.LossScaleOptimizer`,
+`LossScaleMonitor` and `NonFiniteMonitor`. Both runs start from the same
+weights and see the batches in the same order (same seed). It then exports
+the mixed-precision model in half precision with `kerasmp.export` and prints
+a table: test accuracy, wall time, final loss scale, skipped steps, events,
+export size ratio and parity.
 
 Artifacts, under `--out` (default `./kerasmp-demo`):
 
@@ -41,6 +42,10 @@ import warnings
 import keras
 import numpy as np
 
+from kerasmp._devices import main_device
+from kerasmp._table import render_table
+from kerasmp.apps.zoo import digits_cnn
+
 POLICIES = ("mixed_float16", "mixed_bfloat16")
 DEFAULT_EPOCHS = 12
 QUICK_EPOCHS = 2
@@ -55,44 +60,6 @@ ARTIFACT_NAMES = (
     "model_fp16.keras", "model_bf16.keras", "model_fp16_savedmodel",
     "model_bf16_savedmodel", "summary.json",
 )
-
-
-def build_cnn(num_classes=10, input_shape=(8, 8, 1)):
-    """The demo's CNN: two convolutions, batch norm, a dense head, softmax.
-
-    Under a `kerasmp.Policy` the convolutions and dense layers compute in
-    half precision and `BatchNormalization` and the final softmax in float32.
-
-    Args:
-        num_classes: Number of output classes. Defaults to 10.
-        input_shape: Shape of one image. Defaults to `(8, 8, 1)`.
-
-    Returns:
-        A `keras.Sequential` model (outputs: class probabilities).
-
-    Example:
-
-    >>> model = kerasmp.demo.build_cnn()
-    >>> model.output_shape
-    (None, 10)
-    """
-    layers = keras.layers
-    return keras.Sequential(
-        [
-            keras.Input(input_shape, name="image"),
-            layers.Conv2D(16, 3, padding="same", activation="relu",
-                          name="conv1"),
-            layers.BatchNormalization(momentum=0.9, name="bn"),
-            layers.Conv2D(32, 3, padding="same", activation="relu",
-                          name="conv2"),
-            layers.MaxPooling2D(name="pool"),
-            layers.Flatten(name="flatten"),
-            layers.Dense(64, activation="relu", name="dense"),
-            layers.Dense(num_classes, name="logits"),
-            layers.Activation("softmax", name="softmax"),
-        ],
-        name="digits_cnn",
-    )
 
 
 class _ProgressBar(keras.callbacks.Callback):
@@ -211,7 +178,7 @@ def _train(name, policy, data, epochs, seed, batch_size, out, verbose):
     steps_per_epoch = math.ceil(len(x) / batch_size)
     keras.utils.set_random_seed(seed)
     with policy_scope(policy):
-        model = build_cnn()
+        model = digits_cnn()
     schedule = keras.optimizers.schedules.CosineDecay(
         LEARNING_RATE, decay_steps=epochs * steps_per_epoch
     )
@@ -356,10 +323,7 @@ def _served_accuracy(fmt, path, x_test, y_test):
 
 def _device():
     try:
-        from kerasmp.doctor import doctor
-
-        report = doctor()
-        dev = report.devices[0]
+        dev = main_device()
         return f"{dev.kind}: {dev.name}"
     except Exception as e:  # the demo never fails for lack of a device name
         return f"unknown ({e})"
@@ -400,7 +364,9 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     Example:
 
     ```python
-    summary = kerasmp.demo.run_demo("kerasmp-demo", epochs=12)
+    from kerasmp.apps import demo
+
+    summary = demo.run_demo("kerasmp-demo", epochs=12)
     summary["accuracy_diff_pp"]   # mixed minus float32 test accuracy, points
     summary["runs"]["mixed"]["final_loss_scale"]
     ```
@@ -556,13 +522,9 @@ def format_summary(summary):
             f"test acc {100 * e['test_accuracy']:.2f}%"
             if top1 is not None else "",
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [""]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths))
-                     + "  " + r[3])
-    rule = "-" * max(len(line) for line in lines)
-    lines.insert(2, rule)
+    table = render_table(rows[0], rows[1:], rule="full").split("\n")
+    lines = [""] + table
+    rule = table[1]  # it closes the table too
     verdict = (
         "within 1 point of float32" if summary["accuracy_parity"]
         else "MORE than 1 point from float32"
@@ -588,7 +550,7 @@ def format_summary(summary):
 def run(args):
     """Runs `kerasmp demo` from parsed arguments; returns the exit code.
 
-    The arguments are defined (and checked) by `kerasmp.cli`.
+    The arguments are defined (and checked) by `kerasmp.apps.cli`.
     """
     try:
         summary = run_demo(out=args.out, policy=args.policy,

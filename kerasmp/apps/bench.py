@@ -1,7 +1,8 @@
 """`kerasmp bench`: is mixed precision faster, and lighter, on this machine?
 
-Trains a small model zoo (an MLP, a CNN and a transformer encoder) for a few
-steps under each policy, in one process, and reports per model and policy:
+Trains a small model zoo (an MLP, a CNN and a transformer encoder, built by
+`kerasmp.apps.zoo`) for a few steps under each policy, in one process, and
+reports per model and policy:
 
 - `steps_per_s`: training steps per second, the median over `repeats` timed
   `fit` calls, as `kerasmp.performance.PerformanceMonitor(warmup_steps=1)`
@@ -33,32 +34,37 @@ Policies: `float32`, `float32_highest` (float32 with TF32 matmuls disabled:
 `float32` only on GPUs with TF32), `mixed_float16` (with
 `kerasmp.optimizer.LossScaleOptimizer`) and `mixed_bfloat16`.
 
-Length: the model zoo, the timing protocol and both backends' memory
-counters are one measurement and are read together; the command-line
-parsing lives in `cli.py`.
+Length: the timing protocol and both backends' memory counters are one
+measurement and are read together; the models live in `zoo.py` and the
+command-line parsing in `cli.py`.
 """
 
 import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import statistics
-import sys
 import time
 
 import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._devices import jax_memory_stats
+from kerasmp._devices import main_device
+from kerasmp._devices import tf_first_gpu
+from kerasmp._table import render_table
+from kerasmp.apps.zoo import MODELS  # noqa: F401  (the CLI's choices)
+from kerasmp.apps.zoo import NUM_CLASSES  # noqa: F401  (re-exported)
+from kerasmp.apps.zoo import ModelSpec
+from kerasmp.apps.zoo import build_model
+from kerasmp.apps.zoo import make_data
 from kerasmp.debug import record_calls
 from kerasmp.performance import PerformanceMonitor
 from kerasmp.policy import handoff_dtype
 
-MODELS = ("mlp", "cnn", "transformer")
 POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16")
 DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
-NUM_CLASSES = 10
 
 MEMORY_METHOD = (
     "activation_bytes: sum of the outputs of every leaf layer (nested layers "
@@ -68,51 +74,6 @@ MEMORY_METHOD = (
     "compiled train step (argument + output + temp - alias); TensorFlow CPU: "
     "none."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """Sizes of one benchmark model.
-
-    Args:
-        name: `"mlp"`, `"cnn"` or `"transformer"`.
-        batch_size: Training batch size.
-        width: MLP hidden units, CNN base filters, or transformer `d_model`.
-        depth: Hidden layers (MLP), conv blocks (CNN) or encoder blocks.
-        input_size: MLP input features, CNN image side, transformer sequence
-            length.
-        heads: Attention heads (transformer only).
-        vocab: Vocabulary of the transformer's token ids (its input is int32
-            ids through an `Embedding`, so each step moves little data to
-            the device).
-        dropout: Attention dropout (transformer only). Above 0, Keras's
-            `MultiHeadAttention` takes its explicit einsum + `Softmax` path
-            (the softmax computes in float32 under a kerasmp policy); at 0
-            it calls the fused `ops.dot_product_attention`, which on the
-            JAX backend fails for float16 on a CPU ("precision
-            'F16_F16_F32' is not supported by dot_general on CPU") but is
-            the fast path on a GPU.
-    """
-
-    name: str
-    batch_size: int
-    width: int
-    depth: int
-    input_size: int
-    heads: int = 1
-    dropout: float = 0.0
-    vocab: int = 1000
-
-    def describe(self):
-        if self.name == "mlp":
-            return (f"MLP {self.input_size}-" + "-".join(
-                [str(self.width)] * self.depth) + f"-{NUM_CLASSES}")
-        if self.name == "cnn":
-            return (f"CNN {self.input_size}x{self.input_size}x3, "
-                    f"{self.depth} conv blocks from {self.width} filters")
-        return (f"transformer encoder x{self.depth}, d_model {self.width}, "
-                f"{self.heads} heads, seq {self.input_size}, vocab "
-                f"{self.vocab}, attention dropout {self.dropout:g}")
 
 
 PRESETS = {
@@ -150,98 +111,6 @@ PRESETS = {
         steps=3, repeats=2,
     ),
 }
-
-
-# --------------------------------------------------------------------------
-# Models and data
-# --------------------------------------------------------------------------
-
-
-def build_model(spec):
-    """Builds the benchmark model of `spec` under the current global policy.
-
-    Args:
-        spec: A `ModelSpec`.
-
-    Returns:
-        A `keras.Model` ending in a softmax over 10 classes.
-    """
-    layers = keras.layers
-    if spec.name == "mlp":
-        inputs = keras.Input((spec.input_size,), name="features")
-        x = inputs
-        for i in range(spec.depth):
-            x = layers.Dense(spec.width, activation="relu",
-                             name=f"dense_{i}")(x)
-    elif spec.name == "cnn":
-        inputs = keras.Input((spec.input_size, spec.input_size, 3),
-                             name="image")
-        x = inputs
-        for i in range(spec.depth):
-            filters = spec.width * 2**i
-            x = layers.Conv2D(filters, 3, padding="same", name=f"conv_{i}")(x)
-            x = layers.BatchNormalization(name=f"bn_{i}")(x)
-            x = layers.Activation("relu", name=f"relu_{i}")(x)
-            if i < spec.depth - 1:
-                x = layers.MaxPooling2D(name=f"pool_{i}")(x)
-        x = layers.GlobalAveragePooling2D(name="gap")(x)
-    elif spec.name == "transformer":
-        inputs = keras.Input((spec.input_size,), dtype="int32",
-                             name="tokens")
-        x = layers.Embedding(spec.vocab, spec.width, name="embedding")(inputs)
-        for i in range(spec.depth):
-            x = encoder_block(x, spec.width, spec.heads, 4 * spec.width,
-                              dropout=spec.dropout, name=f"block_{i}")
-        x = layers.GlobalAveragePooling1D(name="pool")(x)
-    else:
-        raise ValueError(
-            f"Invalid model name {spec.name!r}. Allowed values: "
-            f"{', '.join(MODELS)}."
-        )
-    x = layers.Dense(NUM_CLASSES, name="logits")(x)
-    outputs = layers.Activation("softmax", name="softmax")(x)
-    return keras.Model(inputs, outputs, name=f"bench_{spec.name}")
-
-
-def encoder_block(x, d_model, heads, d_ff, dropout=0.0, name="block"):
-    """A pre-norm transformer encoder block (functional API).
-
-    Args:
-        x: A symbolic tensor of shape `(batch, seq, d_model)`.
-        d_model: Model width.
-        heads: Number of attention heads (`d_model % heads == 0`).
-        d_ff: Width of the feed-forward layer.
-        dropout: Attention dropout. Defaults to 0.
-        name: Prefix of the layer names.
-
-    Returns:
-        The block's output, same shape as `x`.
-    """
-    layers = keras.layers
-    h = layers.LayerNormalization(name=f"{name}_ln1")(x)
-    h = layers.MultiHeadAttention(heads, d_model // heads, dropout=dropout,
-                                  name=f"{name}_mha")(h, h)
-    x = layers.Add(name=f"{name}_add1")([x, h])
-    h = layers.LayerNormalization(name=f"{name}_ln2")(x)
-    h = layers.Dense(d_ff, activation="gelu", name=f"{name}_ff1")(h)
-    h = layers.Dense(d_model, name=f"{name}_ff2")(h)
-    return layers.Add(name=f"{name}_add2")([x, h])
-
-
-def make_data(spec, n, seed=0):
-    """Random inputs and labels for `n` samples of `spec`'s model."""
-    rng = np.random.default_rng(seed)
-    if spec.name == "transformer":
-        x = rng.integers(0, spec.vocab, size=(n, spec.input_size),
-                         dtype="int32")
-    else:
-        if spec.name == "mlp":
-            shape = (n, spec.input_size)
-        else:
-            shape = (n, spec.input_size, spec.input_size, 3)
-        x = rng.standard_normal(shape, dtype="float32")
-    y = rng.integers(0, NUM_CLASSES, size=(n,)).astype("int32")
-    return x, y
 
 
 # --------------------------------------------------------------------------
@@ -326,9 +195,7 @@ def _numpy_dtype(dtype):
 
 def _accelerator():
     """`("gpu"|"tpu"|"cpu", device name)` of the active backend."""
-    from kerasmp.doctor import doctor
-
-    dev = doctor().devices[0]
+    dev = main_device()
     return dev.kind, dev.name
 
 
@@ -364,12 +231,13 @@ def _matmul_precision(highest):
 def _tf_gpu_peak(reset):
     import tensorflow as tf
 
-    if not tf.config.list_logical_devices("GPU"):
+    gpu = tf_first_gpu()
+    if gpu is None:
         return None
     if reset:
-        tf.config.experimental.reset_memory_stats("GPU:0")
+        tf.config.experimental.reset_memory_stats(gpu)
         return None
-    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+    return int(tf.config.experimental.get_memory_info(gpu)["peak"])
 
 
 def _jax_step_bytes(model, x, y):
@@ -390,10 +258,7 @@ def _jax_step_bytes(model, x, y):
 
 
 def _jax_device_peak():
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
+    peak = jax_memory_stats()[1].get("peak_bytes_in_use")
     return None if peak is None else int(peak)
 
 
@@ -531,8 +396,10 @@ def run_bench(preset="default", models=None, policies=DEFAULT_POLICIES,
     Example:
 
     ```python
-    result = kerasmp.bench.run_bench("quick")
-    print(kerasmp.bench.format_table(result))
+    from kerasmp.apps import bench
+
+    result = bench.run_bench("quick")
+    print(bench.format_table(result))
     [(r["model"], r["policy"], r["speedup_vs_baseline"])
      for r in result["rows"]]
     ```
@@ -657,7 +524,7 @@ def format_table(result):
     vs = "vs " + result["baseline"].replace("float32", "f32")
     header = ("model", "policy", "steps/s", vs, "act MiB", vs, "peak MiB",
               vs, "loss")
-    rows = [header]
+    rows = []
     for r in result["rows"]:
         rows.append((
             r["model"], r["policy"], f"{r['steps_per_s']:.2f}",
@@ -666,7 +533,6 @@ def format_table(result):
             _ratio(r["peak_ratio_vs_baseline"]),
             "ok" if r["loss_finite"] else "NON-FINITE",
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         f"kerasmp bench: backend {result['backend']}, {result['device_kind']}"
         f": {result['device']}, preset {result['preset']}, "
@@ -675,13 +541,7 @@ def format_table(result):
     for name, desc in result["models"].items():
         lines.append(f"  {name}: {desc}")
     lines.append("")
-    for i, row in enumerate(rows):
-        lines.append("  ".join(
-            c.ljust(w) if j < 2 else c.rjust(w)
-            for j, (c, w) in enumerate(zip(row, widths))
-        ))
-        if i == 0:
-            lines.append("-" * len(lines[-1]))
+    lines.append(render_table(header, rows, align="<<>>>>>>>", rule="full"))
     lines.append("")
     lines.append("steps/s: " + result["timing"] + ".")
     lines.append("memory: " + result["memory_method"])
@@ -693,52 +553,3 @@ def format_table(result):
         for w in advice["warnings"]:
             lines.append(f"doctor: {w}")
     return "\n".join(lines)
-
-
-def add_arguments(parser):
-    """Adds the `kerasmp bench` arguments to an argparse parser.
-
-    Args:
-        parser: An `argparse.ArgumentParser` (e.g. a sub-command parser).
-    """
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny models, few steps (under two minutes on "
-                        "a CPU)")
-    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
-                        help="model sizes, steps and repeats (default: "
-                        "'default', or 'quick' with --quick)")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=None,
-                        help="models to run (default: all of the preset's)")
-    parser.add_argument("--policies", nargs="+", choices=POLICIES,
-                        default=list(DEFAULT_POLICIES),
-                        help="policies to compare; ratios are relative to "
-                        "the first")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps per timed call")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed calls per model and policy")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="batch size of every model")
-    parser.add_argument("--json", metavar="PATH", default=None,
-                        help="also write the result as JSON to PATH")
-    return parser
-
-
-def run(args):
-    """Runs `kerasmp bench` from parsed arguments; returns the exit code."""
-    preset = args.preset or ("quick" if args.quick else "default")
-    try:
-        result = run_bench(preset, models=args.models,
-                           policies=args.policies, steps=args.steps,
-                           repeats=args.repeats, batch_size=args.batch_size)
-    except (ValueError, TypeError) as e:
-        print(f"kerasmp bench: error: {e}", file=sys.stderr)
-        return 2
-    print()
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.json}")
-    return 0
-
