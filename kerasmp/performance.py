@@ -85,11 +85,7 @@ class PerformanceMonitor(keras.callbacks.Callback):
 
     def __init__(self, batch_size=None, warmup_steps=0):
         super().__init__()
-        if (
-            isinstance(warmup_steps, bool)
-            or not isinstance(warmup_steps, int)
-            or warmup_steps < 0
-        ):
+        if not _is_int(warmup_steps, 0):
             raise ValueError(
                 "PerformanceMonitor: `warmup_steps` must be an integer >= 0. "
                 f"Received: {warmup_steps!r}"
@@ -98,11 +94,7 @@ class PerformanceMonitor(keras.callbacks.Callback):
         # Keras reads this per instance: async dispatch could run the
         # batch-end hook late, and starting the clock late.
         self.async_safe = warmup_steps == 0
-        if batch_size is not None and (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, int)
-            or batch_size < 1
-        ):
+        if batch_size is not None and not _is_int(batch_size, 1):
             raise ValueError(
                 "PerformanceMonitor: `batch_size` must be a positive integer "
                 f"or None (read from fit's data). Received: {batch_size!r}"
@@ -289,3 +281,10 @@ def _safe_attr(obj, name):
     except Exception:  # an adapter that cannot tell (NotImplementedError)
         return None
     return value if isinstance(value, int) and value > 0 else None
+
+
+def _is_int(value, low):
+    """Whether `value` is a Python int (not a bool) of at least `low`."""
+    return (
+        not isinstance(value, bool) and isinstance(value, int) and value >= low
+    )
