@@ -220,12 +220,11 @@ def _compile(self, *args, **kwargs):
     arguments["auto_scale_loss"] = False
     result = original(*bound.args, **bound.kwargs)
     _skip_guard.guard_skipped_steps(self)  # skipped steps keep BN statistics
-    if keras.backend.backend() == "tensorflow":
-        # Every worker of a multi-worker job compiles: check there that
-        # they all train with the same precision settings.
-        from kerasmp.distributed import check_workers_agree
+    # Every worker of a multi-worker job compiles: check there that they
+    # all train with the same precision settings (a no-op in one process).
+    from kerasmp.distributed import check_workers_agree
 
-        check_workers_agree(self)
+    check_workers_agree(self)
     return result
 
 

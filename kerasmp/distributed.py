@@ -1,7 +1,9 @@
 """Do all workers of a multi-worker run train with the same precision setup?
 
-Under `tf.distribute.MultiWorkerMirroredStrategy` each worker is its own
-process and builds its own model. If one of them builds it under another
+Under `tf.distribute.MultiWorkerMirroredStrategy`, and on JAX in a
+multi-process run (`jax.distributed.initialize` /
+`keras.distribution.initialize`, with a `keras.distribution`), each worker is
+its own process and builds its own model. If one of them builds it under another
 dtype policy, other float32 rules or another loss-scale configuration, the
 all-reduced gradients mix float16 and float32 replicas, or one worker skips a
 step the others apply, and the run hangs or silently diverges.
@@ -13,6 +15,7 @@ every worker's value.
 import json
 
 import keras
+import numpy as np
 
 from kerasmp._layers import walk
 from kerasmp.policy import Policy
@@ -86,27 +89,58 @@ def _multi_worker(strategy):
     return int(resolver.task_id), len(workers)
 
 
-def _all_gather(strategy, rows):
-    """Every replica's `rows` (int32, shape (1, n)), stacked: (replicas, n)."""
+def _tf_gatherer(strategy):
+    """`(task_id, num_workers, all_gather)` of a TensorFlow multi-worker
+    strategy, or None."""
     import tensorflow as tf
 
-    values = strategy.experimental_distribute_values_from_function(
-        lambda context: tf.constant(rows, dtype=tf.int32)
-    )
-    return strategy.gather(values, axis=0).numpy()
+    strategy = strategy or tf.distribute.get_strategy()
+    worker = _multi_worker(strategy)
+    if worker is None:
+        return None
+
+    def all_gather(rows):
+        values = strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(rows, dtype=tf.int32)
+        )
+        return strategy.gather(values, axis=0).numpy()
+
+    return (*worker, all_gather)
+
+
+def _jax_gatherer():
+    """`(process_index, process_count, all_gather)` of a JAX multi-process
+    run, or None."""
+    import jax
+
+    if jax.process_count() < 2:
+        return None
+
+    def all_gather(rows):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(
+            multihost_utils.process_allgather(
+                np.asarray(rows, np.int32), tiled=True
+            )
+        )
+
+    return jax.process_index(), jax.process_count(), all_gather
 
 
 def check_workers_agree(model, strategy=None):
     """Raises on every worker if the workers' precision settings differ.
 
-    Exchanges `worker_settings(model)` between the workers of a
-    `tf.distribute.MultiWorkerMirroredStrategy` (a collective all-gather:
-    every worker must call it, e.g. right after `compile`). Does nothing
-    outside a multi-worker strategy.
+    Exchanges `worker_settings(model)` between the workers (a collective
+    all-gather: every worker must call it; kerasmp's `compile` does) of a
+    `tf.distribute.MultiWorkerMirroredStrategy` on TensorFlow, or of a
+    multi-process JAX run (`jax.process_count() > 1`). Does nothing in a
+    single process.
 
     Args:
         model: the compiled `keras.Model` of this worker.
-        strategy: the strategy; defaults to the one in scope.
+        strategy: TensorFlow only: the strategy; defaults to the one in
+            scope.
 
     Raises:
         ValueError: on every worker, the same message, naming each field
@@ -121,22 +155,23 @@ def check_workers_agree(model, strategy=None):
     kerasmp.distributed.check_workers_agree(model, strategy)
     ```
     """
-    if keras.backend.backend() != "tensorflow":
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        gatherer = _tf_gatherer(strategy)
+    elif backend == "jax":
+        gatherer = _jax_gatherer()
+    else:
+        gatherer = None
+    if gatherer is None:
         return
-    import tensorflow as tf
-
-    strategy = strategy or tf.distribute.get_strategy()
-    worker = _multi_worker(strategy)
-    if worker is None:
-        return
-    task_id, num_workers = worker
+    task_id, num_workers, all_gather = gatherer
     payload = list(
         json.dumps(worker_settings(model), sort_keys=True).encode("utf-8")
     )
-    sizes = _all_gather(strategy, [[task_id, len(payload)]])
+    sizes = all_gather([[task_id, len(payload)]])
     width = int(sizes[:, 1].max())
     padded = [[task_id] + payload + [0] * (width - len(payload))]
-    rows = _all_gather(strategy, padded)
+    rows = all_gather(padded)
     settings = {}
     for row in rows:
         text = bytes(int(b) for b in row[1:] if b).decode("utf-8")

@@ -1,6 +1,8 @@
 """kerasmp.distributed.check_workers_agree: two MultiWorkerMirroredStrategy
 workers (two processes on 127.0.0.1), the launch of
-tests/test_optimizer_distributed.py.
+tests/test_optimizer_distributed.py, and two JAX processes
+(`jax.distributed.initialize` with CPU collectives, a
+`keras.distribution.DataParallel` over both).
 
 Each worker builds and compiles its model for four scenarios in turn
 (identical settings; another policy on worker 1; another float32 rule; another
@@ -27,22 +29,8 @@ from kerasmp.optimizer import LossScaleOptimizer
 ROOT = Path(__file__).resolve().parent.parent
 
 
-WORKER = textwrap.dedent(
+SCENARIOS = textwrap.dedent(
     """
-    import json, os, sys
-    index = int(sys.argv[1])
-    ports = sys.argv[2].split(",")
-    os.environ["TF_CONFIG"] = json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-        "task": {"type": "worker", "index": index},
-    })
-    import tensorflow as tf
-    import keras
-    import kerasmp
-    from kerasmp.distributed import check_workers_agree
-    from kerasmp.optimizer import LossScaleOptimizer
-
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
     SCENARIOS = {
         "same": ("mixed_float16", None, 2.0**15),
         "policy": ("float32" if index else "mixed_float16", None, 2.0**15),
@@ -55,7 +43,7 @@ WORKER = textwrap.dedent(
             policy = kerasmp.Policy(policy)
         else:
             policy = kerasmp.Policy(policy, float32_layers=rules)
-        with strategy.scope():
+        with scope():
             with kerasmp.policy_scope(policy):
                 model = keras.Sequential([
                     keras.Input((4,)),
@@ -73,10 +61,52 @@ WORKER = textwrap.dedent(
             except ValueError as e:
                 out[name] = str(e)
         if name == "same":  # calling the check again is harmless
-            check_workers_agree(model, strategy)
+            check_workers_agree(model)
     print("RESULT " + json.dumps(out))
     """
 )
+
+TF_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    index = int(sys.argv[1])
+    ports = sys.argv[2].split(",")
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": index},
+    })
+    import tensorflow as tf
+    import keras
+    import kerasmp
+    from kerasmp.distributed import check_workers_agree
+    from kerasmp.optimizer import LossScaleOptimizer
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    scope = strategy.scope
+    """
+) + SCENARIOS
+
+JAX_WORKER = textwrap.dedent(
+    """
+    import contextlib, json, sys
+    index = int(sys.argv[1])
+    ports = sys.argv[2].split(",")
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{ports[0]}", num_processes=2,
+        process_id=index, initialization_timeout=120)
+    import keras
+    import kerasmp
+    from kerasmp.distributed import check_workers_agree
+    from kerasmp.optimizer import LossScaleOptimizer
+
+    assert jax.process_count() == 2 and len(jax.devices()) == 2
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.utils.set_random_seed(0)  # replicated weights: the same everywhere
+    scope = contextlib.nullcontext
+    """
+) + SCENARIOS
 
 
 def _free_ports(n):
@@ -89,12 +119,12 @@ def _free_ports(n):
     return ports
 
 
-def _env():
+def _env(backend):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
     )
-    env["KERAS_BACKEND"] = "tensorflow"
+    env["KERAS_BACKEND"] = backend
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     return env
 
@@ -105,10 +135,9 @@ def _result(stdout, stderr, returncode):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.mark.tensorflow
-def test_workers_with_different_settings_all_raise_the_same_error(tmp_path):
+def _run_workers(tmp_path, script_text, backend):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(script_text)
     ports = ",".join(map(str, _free_ports(2)))
     procs = [
         subprocess.Popen(
@@ -116,7 +145,7 @@ def test_workers_with_different_settings_all_raise_the_same_error(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=_env(backend),
         )
         for i in range(2)
     ]
@@ -129,6 +158,19 @@ def test_workers_with_different_settings_all_raise_the_same_error(tmp_path):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+    return results
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+    pytest.param("jax", marks=pytest.mark.skipif(
+        keras.backend.backend() != "jax",
+        reason="runs in the JAX pass of tests/run.sh")),
+])
+def test_workers_with_different_settings_all_raise_the_same_error(
+        tmp_path, backend):
+    script = TF_WORKER if backend == "tensorflow" else JAX_WORKER
+    results = _run_workers(tmp_path, script, backend)
     w0, w1 = results
     assert w0["same"] == w1["same"] == "ok"
     for name in ("policy", "rules", "scale"):
