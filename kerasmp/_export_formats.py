@@ -517,6 +517,7 @@ class ExportFormat:
             dtypes, kept)`, `kept` being `{layer path: reason}` read from
             the artifact, or None when it cannot tell.
         help: One line for docs and `--help`.
+        read_with: What reads the artifact (for the docs' format table).
         notes: `(dtype) -> str`, the report's remark.
         packages: Python packages it needs (import names).
     """
@@ -529,6 +530,7 @@ class ExportFormat:
     write: object
     run: object
     help: str
+    read_with: str
     notes: object = None
     packages: tuple = ()
 
@@ -548,6 +550,7 @@ REGISTRY = {f.name: f for f in (
         write=lambda model, path, specs, dtype: write_keras(model, path),
         run=lambda path, arrays, specs: run_keras(path, arrays),
         help=".keras file: the model's config + half-precision variables",
+        read_with="`keras.saving.load_model` with `kerasmp` imported",
         notes=_keras_notes,
     ),
     ExportFormat(
@@ -558,6 +561,7 @@ REGISTRY = {f.name: f for f in (
         run=lambda path, arrays, specs: (
             *run_savedmodel(path, arrays, specs), None),
         help="SavedModel folder, serving_default with float32 inputs",
+        read_with="`tf.saved_model.load` (no Keras, no kerasmp)",
     ),
     ExportFormat(
         name="tflite", suffix=".tflite", needs_tensorflow=True,
@@ -566,6 +570,7 @@ REGISTRY = {f.name: f for f in (
         run=lambda path, arrays, specs: (
             *run_tflite(path, arrays, specs), {}),
         help=".tflite: float32 graph with float16 weights",
+        read_with="`ai_edge_litert.interpreter.Interpreter`",
         notes=lambda dtype: ("float32 graph with float16 weights"
                              if dtype == "float16" else ""),
     ),
@@ -578,6 +583,27 @@ REGISTRY = {f.name: f for f in (
             *run_onnx(path, arrays, specs), None),
         help=".onnx: tf2onnx of the float16 graph, float32 inputs/outputs "
              "(extra kerasmp[onnx])",
+        read_with="`onnxruntime.InferenceSession`",
         packages=ONNX_PACKAGES,
     ),
 )}
+
+
+def format_table():
+    """The docs' format table (Markdown), generated from `REGISTRY`.
+
+    docs/export.md holds it between `<!-- formats:begin -->` and
+    `<!-- formats:end -->`; a test checks that it is up to date.
+    """
+    rows = [
+        "| format | path | backend | half precision | what is written "
+        "| read it with |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in REGISTRY.values():
+        rows.append(
+            f"| `{f.name}` | {f'`*{f.suffix}`' if f.suffix else 'a folder'} "
+            f"| {'TensorFlow' if f.needs_tensorflow else 'any'} "
+            f"| {', '.join(f.half_dtypes)} | {f.help} | {f.read_with} |"
+        )
+    return "\n".join(rows) + "\n"

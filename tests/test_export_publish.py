@@ -7,6 +7,7 @@ a test hook that a child process uses to stop right before it publishes.
 
 import glob
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 
 from kerasmp import export as kx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 CHILD = textwrap.dedent("""
     import os, sys, time
@@ -301,6 +304,19 @@ def test_check_target_rules(tmp_path):
     with pytest.raises(ValueError, match=r"`path`.*'\.keras'"):
         kx.export(unbuilt, str(tmp_path / "m.h5"), format="keras")
     assert "onnx" in kx.FORMATS and '"onnx"' in kx.export.__doc__
+
+
+def test_docs_format_table_is_generated_from_the_registry():
+    from kerasmp import _export_formats
+
+    text = (ROOT / "docs" / "export.md").read_text()
+    table = text.split("<!-- formats:begin -->\n")[1].split(
+        "<!-- formats:end -->")[0]
+    assert table == _export_formats.format_table(), (
+        "docs/export.md's format table is stale: paste "
+        "kerasmp._export_formats.format_table() between its markers")
+    assert [line.split("`")[1] for line in table.splitlines()[2:]] == list(
+        kx.FORMATS)
 
 
 def test_parity_gate_writes_nothing(tmp_path):
