@@ -20,13 +20,15 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._format_specs import SPECS
+from kerasmp._format_specs import FormatSpec
 from kerasmp._half import HalfModel
 from kerasmp._half import is_float
 from kerasmp._half import is_graph_model
 from kerasmp._half import numpy_value
 from kerasmp._layers import walk
 
-ONNX_PACKAGES = ("tf2onnx", "onnxruntime")
+ONNX_PACKAGES = SPECS["onnx"].packages
 _PREDICT_BATCH = 128
 
 
@@ -501,38 +503,28 @@ def run_tflite(path, arrays, specs):
 
 
 @dataclasses.dataclass(frozen=True)
-class ExportFormat:
-    """One export format: its path rule, needs, writer, reader and help.
+class ExportFormat(FormatSpec):
+    """One export format: its rules (`FormatSpec`), writer and reader.
 
     Attributes:
-        name: The `format=` value.
-        suffix: The suffix `path` must end in, or None (a folder).
-        needs_tensorflow: Whether it needs `KERAS_BACKEND=tensorflow`.
-        half_dtypes: The half-precision dtypes it can store.
-        writes_half: True when it writes `to_float16(model)`; False when it
-            writes the float32 model and converts the weights itself
-            (`write(..., dtype)`).
         write: `(model, path, specs, dtype) -> None`.
         run: `(path, arrays, specs) -> (outputs, input dtypes, output
             dtypes, kept)`, `kept` being `{layer path: reason}` read from
             the artifact, or None when it cannot tell.
-        help: One line for docs and `--help`.
-        read_with: What reads the artifact (for the docs' format table).
         notes: `(dtype) -> str`, the report's remark.
-        packages: Python packages it needs (import names).
     """
 
-    name: str
-    suffix: object
-    needs_tensorflow: bool
-    half_dtypes: tuple
-    writes_half: bool
-    write: object
-    run: object
-    help: str
-    read_with: str
+    write: object = None
+    run: object = None
     notes: object = None
-    packages: tuple = ()
+
+
+def _format(name, **how):
+    """The `ExportFormat` of spec `name` with its writer and reader."""
+    spec = SPECS[name]
+    fields = {f.name: getattr(spec, f.name)
+              for f in dataclasses.fields(FormatSpec)}
+    return ExportFormat(**fields, **how)
 
 
 def _keras_notes(dtype):
@@ -544,47 +536,33 @@ def _keras_notes(dtype):
 
 
 REGISTRY = {f.name: f for f in (
-    ExportFormat(
-        name="keras", suffix=".keras", needs_tensorflow=False,
-        half_dtypes=("float16", "bfloat16"), writes_half=True,
+    _format(
+        "keras",
         write=lambda model, path, specs, dtype: write_keras(model, path),
         run=lambda path, arrays, specs: run_keras(path, arrays),
-        help=".keras file: the model's config + half-precision variables",
-        read_with="`keras.saving.load_model` with `kerasmp` imported",
         notes=_keras_notes,
     ),
-    ExportFormat(
-        name="savedmodel", suffix=None, needs_tensorflow=True,
-        half_dtypes=("float16", "bfloat16"), writes_half=True,
+    _format(
+        "savedmodel",
         write=lambda model, path, specs, dtype: write_savedmodel(
             model, path, specs),
         run=lambda path, arrays, specs: (
             *run_savedmodel(path, arrays, specs), None),
-        help="SavedModel folder, serving_default with float32 inputs",
-        read_with="`tf.saved_model.load` (no Keras, no kerasmp)",
     ),
-    ExportFormat(
-        name="tflite", suffix=".tflite", needs_tensorflow=True,
-        half_dtypes=("float16",), writes_half=False,
+    _format(
+        "tflite",
         write=write_tflite,
         run=lambda path, arrays, specs: (
             *run_tflite(path, arrays, specs), {}),
-        help=".tflite: float32 graph with float16 weights",
-        read_with="`ai_edge_litert.interpreter.Interpreter`",
         notes=lambda dtype: ("float32 graph with float16 weights"
                              if dtype == "float16" else ""),
     ),
-    ExportFormat(
-        name="onnx", suffix=".onnx", needs_tensorflow=True,
-        half_dtypes=("float16",), writes_half=True,
+    _format(
+        "onnx",
         write=lambda model, path, specs, dtype: write_onnx(
             model, path, specs),
         run=lambda path, arrays, specs: (
             *run_onnx(path, arrays, specs), None),
-        help=".onnx: tf2onnx of the float16 graph, float32 inputs/outputs "
-             "(extra kerasmp[onnx])",
-        read_with="`onnxruntime.InferenceSession`",
-        packages=ONNX_PACKAGES,
     ),
 )}
 

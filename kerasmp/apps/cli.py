@@ -39,17 +39,19 @@ import sys
 import tempfile
 import zipfile
 
-# Choices and defaults of the sub-commands. They mirror constants of
-# `kerasmp.apps.demo`, `kerasmp.export` and `kerasmp.apps.bench`, which
-# import Keras, so the parser keeps its own copies; tests/test_cli.py checks
-# they agree.
+from kerasmp._format_specs import SPECS
+
+# Choices and defaults of the sub-commands. The export formats come from
+# their Keras-free specs; the others mirror constants of `kerasmp.apps.demo`,
+# `kerasmp.export` and `kerasmp.apps.bench`, which import Keras, so the
+# parser keeps its own copies; tests/test_cli.py checks they agree.
 DEMO_POLICIES = ("mixed_float16", "mixed_bfloat16")
 DEMO_DEFAULT_EPOCHS = 12
 DEMO_QUICK_EPOCHS = 2
-EXPORT_FORMATS = ("keras", "savedmodel", "tflite", "onnx")
+EXPORT_FORMATS = tuple(SPECS)
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
-EXPORT_SUFFIXES = {"keras": ".keras", "tflite": ".tflite", "onnx": ".onnx"}
-ONNX_PACKAGES = ("tf2onnx", "onnxconverter_common", "onnxruntime")
+EXPORT_SUFFIXES = {n: s.suffix for n, s in SPECS.items() if s.suffix}
+ONNX_PACKAGES = SPECS["onnx"].packages
 BENCH_MODELS = ("mlp", "cnn", "transformer")
 BENCH_POLICIES = ("float32", "float32_highest", "mixed_float16",
                   "mixed_bfloat16")
