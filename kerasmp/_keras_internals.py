@@ -16,10 +16,13 @@ docs/architecture.md lists where kerasmp meets Keras.
 Tested with Keras 3.15 and 3.16 (`pyproject.toml` bounds the version).
 """
 
+import itertools
+
 import keras
 from keras.src import dtype_policies as _dtype_policies
 from keras.src.backend.common import masking as _masking
 from keras.src.trainers import trainer as _trainer_module
+from keras.src.trainers.data_adapters import data_adapter_utils as _data_utils
 from keras.src.utils import tracking as _tracking
 
 # --------------------------------------------------------------- layers
@@ -190,6 +193,35 @@ def jax_state_replace(state, name, value):
     fields = list(state)
     fields[JAX_STATE_FIELDS.index(name)] = value
     return tuple(fields)
+
+
+def jax_step_batches(iterator, steps_per_execution):
+    """One step's batch at a time from the iterator a JAX `fit` hands its
+    train function, for one execution of `steps_per_execution` steps.
+
+    Keras 3.15 hands one batch per `next`. Keras 3.16 hands the whole
+    execution's batches as one item when `steps_per_execution > 1`: stacked
+    along a new leading axis, or a `PartialBatchList` of the last few of an
+    epoch; this splits that item. The returned iterator ends after the
+    execution's batches (`StopIteration`), or at once at the epoch's end.
+    """
+    partial = getattr(_data_utils, "PartialBatchList", None)
+    if partial is None or steps_per_execution == 1:
+        return itertools.islice(iterator, steps_per_execution)
+
+    def split():
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        if isinstance(item, partial):
+            yield from item
+            return
+        steps = keras.tree.flatten(item)[0].shape[0]
+        for i in range(steps):
+            yield keras.tree.map_structure(lambda x, i=i: x[i], item)
+
+    return split()
 
 
 def jax_state_sync(model):

@@ -645,6 +645,7 @@ class StepTap:
     def _run_jax(self, state, iterator):
         function = self._function()
         self._batches = []
+        iterator = _ki.jax_step_batches(iterator, self.steps_per_execution)
         if self.keep_batch:
             iterator = _Batches(iterator, self._batches)
         rows = []

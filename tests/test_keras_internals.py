@@ -342,6 +342,31 @@ def test_jax_state_layout():
     ki.jax_state_sync(model)  # no error outside fit
 
 
+def test_jax_step_batches_splits_an_execution_into_steps():
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX trainer's iterator")
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+    seen = []
+
+    def train_function(state, iterator):
+        batches = list(ki.jax_step_batches(iterator, 3))
+        if not batches:
+            raise StopIteration
+        seen.append([tuple(b[0].shape) for b in batches])
+        for batch in batches:
+            logs, state = model.train_step(state, batch)
+        return logs, state
+
+    model.train_function = train_function  # fit keeps a set one
+    x = np.ones((7, 3), "float32")
+    y = np.zeros((7, 2), "float32")
+    model.fit(x, y, batch_size=1, epochs=1, verbose=0)
+    assert seen == [[(1, 3)] * 3, [(1, 3)] * 3, [(1, 3)]], _changed(
+        "the JAX fit iterator under steps_per_execution"
+    )
+
+
 # -------------------------------------------------------------- optimizers
 
 
