@@ -17,9 +17,10 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from _helpers import NaiveSoftmax
+from _helpers import tap_removed
 from keras import ops
 
-from kerasmp import _skip_guard
 from kerasmp.callbacks import LossScaleMonitor
 from kerasmp.callbacks import NonFiniteMonitor
 from kerasmp.errors import NonFiniteError
@@ -29,22 +30,6 @@ from kerasmp.policy import Policy
 from kerasmp.policy import set_global_policy
 
 BATCH = 8
-
-
-def _tap_removed(model):
-    """No monitor's step wrapper is left on the model (kerasmp's own
-    skipped-step guard, installed by compile, may be)."""
-    step = model.__dict__.get("train_step")
-    return step is None or _skip_guard.is_skip_guard(step)
-
-
-class NaiveSoftmax(keras.layers.Layer):
-    """exp(x) / sum(exp(x)) without subtracting the max: overflows float16
-    (exp(x) > 65504 for x > 11.1) long before float32 (x > 88.7)."""
-
-    def call(self, x):
-        e = ops.exp(x)
-        return e / ops.sum(e, axis=-1, keepdims=True)
 
 
 class StepCounter(keras.callbacks.Callback):
@@ -206,7 +191,7 @@ def test_loss_scale_reaches_history_csv_and_tensorboard(
     assert [k for _, _, k in monitors[0].trace] == skipped
 
     # The model is left as fit found it.
-    assert _tap_removed(model)
+    assert tap_removed(model)
     history = model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
     assert "loss_scale" not in history.history
     if not has_tensorboard:
@@ -297,7 +282,7 @@ def test_a_fit_aborted_by_another_callback_leaves_nothing_behind():
     history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
     assert history.history["loss_scale"] == [1024.0]
     assert [step for step, _, _ in monitor.trace] == list(range(6))
-    assert _tap_removed(model)
+    assert tap_removed(model)
     assert (
         "loss_scale" not in model.fit(x, y, batch_size=BATCH, verbose=0).history
     )
@@ -423,7 +408,7 @@ def test_raise_carries_the_same_diagnosis():
     assert info.value.report.layer == "naive_softmax"
     assert _weights_finite(model)
     # The model was restored before raising: a plain fit works as before.
-    assert _tap_removed(model)
+    assert tap_removed(model)
     history = model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
     assert set(history.history) == {"loss"}
 

@@ -11,15 +11,12 @@ values are the settings each worker was given, written out by hand.
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import keras
 import pytest
+from _helpers import run_workers
 
 import kerasmp
 from kerasmp.distributed import check_workers_agree
@@ -109,58 +106,6 @@ JAX_WORKER = textwrap.dedent(
 ) + SCENARIOS
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _env(backend):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
-    )
-    env["KERAS_BACKEND"] = backend
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    return env
-
-
-def _result(stdout, stderr, returncode):
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert returncode == 0 and lines, stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
-def _run_workers(tmp_path, script_text, backend):
-    script = tmp_path / "worker.py"
-    script.write_text(script_text)
-    ports = ",".join(map(str, _free_ports(2)))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(i), ports],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(backend),
-        )
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=300)
-            results.append(_result(stdout, stderr, proc.returncode))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return results
-
-
 @pytest.mark.parametrize("backend", [
     pytest.param("tensorflow", marks=pytest.mark.tensorflow),
     pytest.param("jax", marks=pytest.mark.skipif(
@@ -170,7 +115,7 @@ def _run_workers(tmp_path, script_text, backend):
 def test_workers_with_different_settings_all_raise_the_same_error(
         tmp_path, backend):
     script = TF_WORKER if backend == "tensorflow" else JAX_WORKER
-    results = _run_workers(tmp_path, script, backend)
+    results = run_workers(tmp_path, script, backend, timeout=300)
     w0, w1 = results
     assert w0["same"] == w1["same"] == "ok"
     for name in ("policy", "rules", "scale"):

@@ -14,9 +14,10 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from _helpers import NaiveSoftmax
+from _helpers import tap_removed
 from keras import ops
 
-from kerasmp import _skip_guard
 from kerasmp.callbacks import LossScaleMonitor
 from kerasmp.callbacks import NonFiniteMonitor
 from kerasmp.errors import NonFiniteWarning
@@ -26,21 +27,6 @@ from kerasmp.policy import set_global_policy
 
 BATCH = 8
 JAX = keras.backend.backend() == "jax"
-
-
-def _tap_removed(model):
-    """No monitor's step wrapper is left on the model (kerasmp's own
-    skipped-step guard, installed by compile, may be)."""
-    step = model.__dict__.get("train_step")
-    return step is None or _skip_guard.is_skip_guard(step)
-
-
-class NaiveSoftmax(keras.layers.Layer):
-    """exp(x) / sum(exp(x)): overflows float16 for x > 11.1."""
-
-    def call(self, x):
-        e = ops.exp(x)
-        return e / ops.sum(e, axis=-1, keepdims=True)
 
 
 class StepCounter(keras.callbacks.Callback):
@@ -145,7 +131,7 @@ def test_loss_scale_follows_grad_scaler_under_jit_and_multi_step(jit, spe):
     ]
     assert all(e["loss_finite"] is False for e in nfm.events)
     assert all(math.isfinite(v) for v in history.history["loss"])
-    assert _tap_removed(model)
+    assert tap_removed(model)
 
 
 def _skip_pattern_run(jit, spe, patience, action="warn", locate=True):
@@ -229,7 +215,7 @@ def test_stop_under_multi_step_stops_after_the_group(jit):
         (2, "stop")
     ]
     assert _summary(multi.events)[:3] == _summary(single.events)
-    assert _tap_removed(model)
+    assert tap_removed(model)
 
 
 # --------------------------------------------------------------------------
@@ -432,7 +418,7 @@ def test_step_wrapper_removed_when_fit_raises():
     with pytest.raises(Exception, match="bad data"):
         model.fit(_failing_batches(x, y), verbose=0, shuffle=False,
                   callbacks=[LossScaleMonitor(), NonFiniteMonitor()])
-    assert _tap_removed(model)
+    assert tap_removed(model)
     assert "finalize_variable_values" not in model.optimizer.__dict__
 
     # An exception from another callback.
@@ -440,11 +426,11 @@ def test_step_wrapper_removed_when_fit_raises():
         model.fit(x, y, batch_size=BATCH, verbose=0,
                   callbacks=[LossScaleMonitor(), _Abort()])
     if JAX:  # Keras's JAX fit ends in a `finally`: removed at once
-        assert _tap_removed(model)
+        assert tap_removed(model)
     # The next fit without monitors runs the model's own step.
     history = model.fit(x, y, batch_size=BATCH, verbose=0)
     assert set(history.history) == {"loss"}
-    assert _tap_removed(model)
+    assert tap_removed(model)
     assert "finalize_variable_values" not in model.optimizer.__dict__
 
 

@@ -6,9 +6,6 @@ and MultiWorkerMirroredStrategy two worker processes talking over 127.0.0.1,
 so each case runs in fresh Python processes; the results come back as JSON.
 """
 
-import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +14,9 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from _helpers import run_workers
+from _helpers import script_result
+from _helpers import subprocess_env
 
 pytestmark = [
     pytest.mark.tensorflow,
@@ -197,22 +197,6 @@ WORKER = COMMON + textwrap.dedent(
 )
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
-    )
-    env["KERAS_BACKEND"] = "tensorflow"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    return env
-
-
-def _result(stdout, stderr, returncode):
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert returncode == 0 and lines, stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def _run_script(tmp_path, source, *args, timeout=600):
     script = tmp_path / "script.py"
     script.write_text(source)
@@ -220,10 +204,10 @@ def _run_script(tmp_path, source, *args, timeout=600):
         [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=subprocess_env("tensorflow"),
         timeout=timeout,
     )
-    return _result(proc.stdout, proc.stderr, proc.returncode)
+    return script_result(proc.stdout, proc.stderr, proc.returncode)
 
 
 def _same_on_every_replica(summary):
@@ -277,39 +261,8 @@ def test_mirrored_with_jit_compile(tmp_path):
         np.testing.assert_allclose(a, b, atol=tolerance, rtol=0)
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def test_multi_worker_mirrored_two_processes(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    ports = ",".join(map(str, _free_ports(2)))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(i), ports],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=600)
-            results.append(_result(stdout, stderr, proc.returncode))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    results = run_workers(tmp_path, WORKER, "tensorflow", timeout=600)
     w0, w1 = results
     assert w0["replicas"] == w1["replicas"] == 2
     ours0, ours1 = w0["ours"], w1["ours"]

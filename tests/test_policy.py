@@ -9,6 +9,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from _helpers import BLOCK_KERASMP
 
 import kerasmp
 from kerasmp.optimizer import LossScaleOptimizer
@@ -541,13 +542,7 @@ def test_probabilities_that_reach_the_loss_are_float32():
 
 # --- Portable files ---------------------------------------------------------
 
-_NO_KERASMP_SCRIPT = """
-import json, sys
-class _Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name == "kerasmp" or name.startswith("kerasmp."):
-            raise ImportError("kerasmp is not installed here")
-sys.meta_path.insert(0, _Blocker())
+_NO_KERASMP_SCRIPT = BLOCK_KERASMP + """
 import numpy as np
 import keras
 model = keras.models.load_model({path!r})

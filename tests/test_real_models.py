@@ -17,6 +17,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from _helpers import BLOCK_KERASMP
 
 import kerasmp
 
@@ -142,13 +143,7 @@ def test_fit_with_monitors(name, jit_compile):
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-3)
 
 
-_NO_KERASMP = """
-import json, sys
-class _Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name == "kerasmp" or name.startswith("kerasmp."):
-            raise ImportError("kerasmp is not installed here")
-sys.meta_path.insert(0, _Blocker())
+_NO_KERASMP = BLOCK_KERASMP + """
 import numpy as np
 import keras
 import keras_hub  # noqa: F401  (registers its layers, as a user would)

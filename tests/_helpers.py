@@ -1,0 +1,101 @@
+"""Helpers shared by several test files (imported as `_helpers`: pytest puts
+tests/ on sys.path)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+from keras import ops
+
+from kerasmp import _skip_guard
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The first lines of a subprocess script in which kerasmp cannot be imported,
+# as on a machine where it is not installed.
+BLOCK_KERASMP = """
+import json, sys
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "kerasmp" or name.startswith("kerasmp."):
+            raise ImportError("kerasmp is not installed here")
+sys.meta_path.insert(0, _Blocker())
+"""
+
+
+def tap_removed(model):
+    """No monitor's step wrapper is left on the model (kerasmp's own
+    skipped-step guard, installed by compile, may be)."""
+    step = model.__dict__.get("train_step")
+    return step is None or _skip_guard.is_skip_guard(step)
+
+
+class NaiveSoftmax(keras.layers.Layer):
+    """exp(x) / sum(exp(x)) without subtracting the max: overflows float16
+    (exp(x) > 65504 for x > 11.1) long before float32 (x > 88.7)."""
+
+    def call(self, x):
+        e = ops.exp(x)
+        return e / ops.sum(e, axis=-1, keepdims=True)
+
+
+def free_ports(n):
+    """`n` free TCP ports on 127.0.0.1."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def subprocess_env(backend):
+    """The environment of a test subprocess: this checkout's kerasmp, the
+    given Keras backend, TensorFlow's C++ logs off."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
+    )
+    env["KERAS_BACKEND"] = backend
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return env
+
+
+def script_result(stdout, stderr, returncode):
+    """The JSON after the last `RESULT ` line a script printed."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and lines, stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def run_workers(tmp_path, source, backend, timeout):
+    """Runs `source` as two processes (argv: index, comma-separated ports)
+    and returns each one's result."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    ports = ",".join(map(str, free_ports(2)))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), ports],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(backend),
+        )
+        for i in range(2)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(script_result(stdout, stderr, proc.returncode))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results
