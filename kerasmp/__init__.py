@@ -4,7 +4,8 @@ and exportable.
 `import kerasmp` is cheap: it imports neither Keras nor TensorFlow/JAX. The
 public names below are imported on first use (PEP 562 module `__getattr__`),
 so `kerasmp --help` and `from kerasmp.apps import cli` start in a fraction
-of a second. kerasmp's policy hooks (see `kerasmp._hooks`) and its
+of a second. kerasmp's hooks (the end of `kerasmp/policy.py` and
+`kerasmp/_compile.py`) and its
 serializable classes are installed as soon as Keras is imported, whichever
 of `kerasmp` and `keras` the program imports first, so a saved model that
 names `kerasmp>Policy` or `kerasmp>LossScaleOptimizer` loads after a bare
@@ -37,8 +38,8 @@ _LAZY = {
     "Policy": ("kerasmp.policy", "Policy"),
     "float32_rule": ("kerasmp.policy", "float32_rule"),
     "global_policy": ("kerasmp.policy", "global_policy"),
-    "install": ("kerasmp.policy", "install"),
-    "uninstall": ("kerasmp.policy", "uninstall"),
+    "install": ("kerasmp._compile", "install"),
+    "uninstall": ("kerasmp._compile", "uninstall"),
     "stored_policy": ("kerasmp.policy", "stored_policy"),
     "policy_scope": ("kerasmp.policy", "policy_scope"),
     "set_global_policy": ("kerasmp.policy", "set_global_policy"),
@@ -71,7 +72,7 @@ __all__ = [
 
 # Modules that register kerasmp's Keras-serializable classes (and install the
 # policy hooks): imported as soon as Keras is.
-_REGISTERING = ("kerasmp.policy", "kerasmp.optimizer")
+_REGISTERING = ("kerasmp.policy", "kerasmp.optimizer", "kerasmp._compile")
 
 
 def __getattr__(name):

@@ -143,6 +143,12 @@ def call_has_training_arg(model):
     return bool(model._call_has_training_arg)
 
 
+def loss_tracker(model):
+    """The `keras.metrics.Mean` that averages `model`'s loss in `fit`, or
+    None (not compiled)."""
+    return getattr(model, "_loss_tracker", None)
+
+
 def has_compiled_loss(model):
     """Whether `model` was compiled with a loss."""
     return getattr(model, "_compile_loss", None) is not None

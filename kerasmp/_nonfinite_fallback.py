@@ -19,7 +19,7 @@ from keras import ops
 
 from kerasmp import _keras_internals as _ki
 from kerasmp import _nonfinite
-from kerasmp import _step_tap
+from kerasmp import _train_step
 from kerasmp.debug import find_nonfinite
 
 # ----------------------------------------------------------------- locating
@@ -70,7 +70,7 @@ def first_nonfinite_weight(model):
     if not weights:
         return None
     flags = ops.stack([ops.all(ops.isfinite(v)) for v in weights])
-    flags = _step_tap.read(flags)
+    flags = _train_step.read(flags)
     if flags.all():
         return None
     return weights[int((~flags).argmax())].path

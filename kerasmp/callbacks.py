@@ -1,8 +1,13 @@
 """Callbacks that show the loss scale and explain every inf/NaN event.
 
-- `LossScaleMonitor` puts `loss_scale` and `skipped_steps` into the batch and
-  epoch logs, so they reach the progress bar, `History.history`, `CSVLogger`
-  and `TensorBoard` whatever the order of the callbacks.
+Both only read what kerasmp's train step (`kerasmp._train_step`, installed
+by `compile` for models trained with `kerasmp.LossScaleOptimizer`) returns:
+`loss_scale` and `skipped_steps` in the logs, one record per step, and the
+step's batch once `keep_batches` is on. Attaching them changes no value in
+the logs (they only add keys of their own), like Keras's `TerminateOnNaN`.
+
+- `LossScaleMonitor` keeps the loss scale of every step for plotting and can
+  measure gradient underflow.
 - `NonFiniteMonitor` records every skipped step and every non-finite loss or
   weight as an event, tells normal calibration overflows from a run that is
   stuck, names the layer that went non-finite, and can warn, stop, raise or
@@ -17,6 +22,7 @@ lives in the `_nonfinite*` modules.
 """
 
 import dataclasses
+import inspect
 import math
 import numbers
 import os
@@ -30,7 +36,7 @@ from kerasmp import _keras_internals as _ki
 from kerasmp import _nonfinite
 from kerasmp import _nonfinite_fallback
 from kerasmp import _nonfinite_messages
-from kerasmp import _step_tap
+from kerasmp import _train_step
 from kerasmp._nonfinite import KINDS  # noqa: F401 (re-export)
 from kerasmp.errors import NonFiniteError
 from kerasmp.errors import NonFiniteWarning
@@ -39,22 +45,63 @@ from kerasmp.performance import PerformanceMonitor  # noqa: F401 (re-export)
 ACTIONS = ("warn", "stop", "raise", "fallback")
 
 
+def _user_stacklevel():
+    """The `stacklevel` that points a warning at the first frame outside
+    Keras and kerasmp (the user's `fit` call), not at Keras's callback
+    list."""
+    frame = inspect.currentframe().f_back  # the caller of warnings.warn
+    level = 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.split(".")[0] not in ("keras", "kerasmp"):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
+
+
+def _warn(message, category=UserWarning):
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+def _needs_kerasmp_optimizer(monitor, optimizer):
+    """The one-line warning when the model is not trained with
+    `kerasmp.LossScaleOptimizer` (nothing then puts the scale in the logs);
+    None when it is."""
+    if _train_step.installed(monitor.model):
+        return None
+    name = type(optimizer).__name__
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return (
+            f"{type(monitor).__name__}: loss_scale and skipped_steps come from "
+            "kerasmp.LossScaleOptimizer; this model uses Keras's own "
+            "LossScaleOptimizer: compile with kerasmp.LossScaleOptimizer."
+            "from_config(optimizer.get_config()) (same settings)."
+        )
+    if not _train_step.supported():
+        return (
+            f"{type(monitor).__name__}: logging the loss scale needs the "
+            "TensorFlow or JAX backend (without NNX); nothing will be logged."
+        )
+    return (
+        f"{type(monitor).__name__}: the optimizer ({name}) has no loss scale; "
+        "`loss_scale` and `skipped_steps` will not be logged."
+    )
+
+
 class LossScaleMonitor(keras.callbacks.Callback):
-    """Adds `loss_scale` and `skipped_steps` to the training logs.
+    """Keeps the loss scale of every train step, and can measure underflow.
 
-    `loss_scale` is the optimizer's loss scale after each step and
-    `skipped_steps` the cumulative number of steps skipped because the
-    gradients were not finite. Both appear in the batch logs and in the epoch
-    logs (value at the end of the epoch), hence in the progress bar,
-    `History.history`, `CSVLogger` files and `TensorBoard` scalars, wherever
-    the monitor sits in the callback list. The values are read from the
-    optimizer's variables inside the train step and converted with the rest
-    of the logs: no extra device-to-host transfer per step.
-
-    Works with `kerasmp.optimizer.LossScaleOptimizer` and with Keras's own
-    `keras.optimizers.LossScaleOptimizer` (whose skipped steps are counted
-    from its `iterations`). With an optimizer that has no loss scale it logs
-    nothing and warns once.
+    A model compiled with `kerasmp.LossScaleOptimizer` logs `loss_scale`
+    (the scale after each step) and `skipped_steps` (the cumulative number
+    of steps skipped because the gradients were not finite) with or without
+    this monitor: both are in the batch and epoch logs, hence in the
+    progress bar, `History.history`, `CSVLogger` files and `TensorBoard`
+    scalars (docs/monitoring.md). The monitor reads them from the logs into
+    `trace` for `kerasmp.plotting.plot_loss_scale`. With another optimizer
+    (Keras's own `keras.optimizers.LossScaleOptimizer` included: its config
+    loads into kerasmp's class) it records nothing and says so in one
+    warning.
 
     With `gradient_stats_every=N` the monitor also logs `grad_underflow`:
     every N steps (the first step, then every N-th), the fraction of gradient
@@ -126,7 +173,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.trace = []
         self.initial_scale = None
         self.initial_skipped = None
-        self._tap = None
+        self._active = False
         self._warned = False
         self._lock = threading.Lock()
         self._next_step = 0
@@ -134,43 +181,25 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch_batches = 0
 
     def on_train_begin(self, logs=None):
-        self._tap = None
-        optimizer = self.model.optimizer
-        if not _step_tap.has_loss_scale(optimizer):
-            self._warn_once(
-                "LossScaleMonitor: the optimizer "
-                f"({type(optimizer).__name__}) has no loss scale; "
-                "`loss_scale` and `skipped_steps` will not be logged."
-            )
+        self._active = False
+        message = _needs_kerasmp_optimizer(self, self.model.optimizer)
+        if message is not None:
+            self._warn_once(message)
             return
-        self._tap = _step_tap.StepTap.join(
-            self.model,
-            self,
-            self.params,
-            publish=True,
-            keep_batch=self.gradient_stats_every is not None,
-        )
-        if self._tap is not None and self.initial_skipped is None:
-            self.initial_skipped = self._tap.initial_skipped
-            self.initial_scale = self._tap.initial_scale
-        if self._tap is None:
-            self._warn_once(
-                "LossScaleMonitor: logging the loss scale needs the TensorFlow "
-                "or JAX backend (without NNX); nothing will be logged."
+        self._active = True
+        if self.gradient_stats_every is not None:
+            _train_step.keep_batches(self.model)
+        if self.initial_skipped is None:
+            self.initial_scale, self.initial_skipped = (
+                _train_step.optimizer_state(self.model.optimizer)
             )
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = self._next_step
         self._epoch_batches = 0
-        if self._tap is not None:
-            self._tap.new_epoch()
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self._tap is not None:
-            self._tap.prepare()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._tap is None or not logs or "loss_scale" not in logs:
+        if not self._active or not logs or "loss_scale" not in logs:
             return
         with self._lock:
             self._epoch_batches = max(self._epoch_batches, batch + 1)
@@ -210,7 +239,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _measure_underflow(self, scale):
         from kerasmp.gradients import gradient_report
 
-        batch = self._tap.batch()
+        batch = _train_step.batch(self.model)
         if batch is None:
             self._warn_underflow("the step's batch is not available")
             return None
@@ -237,19 +266,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _warn_underflow(self, why):
         if not self._underflow_warned:
             self._underflow_warned = True
-            warnings.warn(
-                f"LossScaleMonitor: grad_underflow not measured ({why}).",
-                stacklevel=3,
-            )
-
-    def on_train_end(self, logs=None):
-        if self._tap is not None:
-            self._tap.leave(self)
-            self._tap = None
+            _warn(f"LossScaleMonitor: grad_underflow not measured ({why}).")
 
     def _warn_once(self, message):
         if not self._warned:
-            warnings.warn(message, stacklevel=3)
+            _warn(message)
             self._warned = True
 
 
@@ -359,19 +380,19 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self.last_report = None
         self._next_step = 0  # steps counted over all `fit` calls
         self._log_failed = False
-        # The per-run state is set by `on_train_begin`; outside a `fit`
-        # there is no tap.
-        self._tap = None
 
     # ------------------------------------------------------------ callbacks
 
     def on_train_begin(self, logs=None):
         model = self.model
         optimizer = model.optimizer
-        self._tap = _step_tap.StepTap.join(
-            model, self, self.params, keep_batch=self.locate
-        )
-        scaled = self._tap is not None and _step_tap.has_loss_scale(optimizer)
+        scaled = _train_step.installed(model)
+        if not scaled and isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            _warn(_needs_kerasmp_optimizer(self, optimizer))
+        if self.locate:
+            _train_step.keep_batches(model)
         self._rules = _nonfinite.Rules(patience=self.patience, scaled=False)
         self._state = _nonfinite.State()
         self._epoch = 0
@@ -384,11 +405,12 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 dynamic=bool(getattr(optimizer, "dynamic", True)),
                 min_scale=float(getattr(optimizer, "min_scale", 1.0) or 0),
             )
+            scale, skipped = _train_step.optimizer_state(optimizer)
             self._state = _nonfinite.start(
                 self._rules,
-                scale=self._tap.initial_scale,
-                skipped=self._tap.initial_skipped,
-                fresh=int(_step_tap.read(optimizer.iterations)) == 0,
+                scale=scale,
+                skipped=skipped,
+                fresh=int(_train_step.read(optimizer.iterations)) == 0,
             )
             if self.initial_scale is None:
                 self.initial_scale = self._state.scale
@@ -398,18 +420,14 @@ class NonFiniteMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._state = dataclasses.replace(self._state, loss_ok=True)
-        if self._tap is not None:
-            self._tap.new_epoch()
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_begin = batch
-        if self._tap is not None:
-            self._tap.prepare()
 
     def on_train_batch_end(self, batch, logs=None):
         logs = logs or {}
         loss = logs.get("loss")
-        rows = self._tap.rows() if self._tap is not None else []
+        rows = _train_step.rows(self.model)
         if not rows:  # no per-step records: a step count from the batches
             self._next_step += max(1, batch - self._batch_begin + 1)
         for i, row in enumerate(rows):
@@ -453,11 +471,6 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         event = self._event(verdict, self._next_step - 1, None, None)
         self._locate(event, self._state.scale, (0, None), keep_variable=True)
         self._finish(event, actionable=True)
-
-    def on_train_end(self, logs=None):
-        if self._tap is not None:
-            self._tap.leave(self)
-            self._tap = None
 
     # -------------------------------------------------------------- events
 
@@ -516,12 +529,11 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         if not self.locate:
             return
         batch = None
-        if self._tap is not None:
-            for offset in offsets:
-                if offset is not None:
-                    batch = self._tap.batch(offset)
-                    if batch is not None:
-                        break
+        for offset in offsets:
+            if offset is not None:
+                batch = _train_step.batch(self.model, offset)
+                if batch is not None:
+                    break
         report, fields = _nonfinite_fallback.locate(
             self.model,
             batch,
@@ -550,13 +562,10 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         if not actionable:
             return
         if event["action"] in ("warn", "stop") or event.get("fallback_layers"):
-            warnings.warn(event["message"], NonFiniteWarning, stacklevel=3)
+            _warn(event["message"], NonFiniteWarning)
         if event["action"] == "stop":
             self.model.stop_training = True
         if event["action"] == "raise":
-            if self._tap is not None:
-                self._tap.uninstall()  # leave the model as fit found it
-                self._tap = None
             raise NonFiniteError(event["message"], event=event, report=report)
 
     def _fallback(self, event, report):
@@ -566,8 +575,9 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         )
         if result.refusal is not None:
             return result.refusal
-        self._tap.rebuild(dirty=True)
-        self._tap.prepare()
+        # The layer's compute dtype changed: trace the step again.
+        _ki.jax_state_sync(self.model)
+        self.model.make_train_function(force=True)
         self.fallbacks.append(result.layer)
         event["fallback_layers"] = [result.layer]
         if result.reset_to is not None:
@@ -581,11 +591,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         try:
             _nonfinite_fallback.reset_loss_scale(self.model.optimizer, value)
         except Exception as e:  # never break training over this
-            warnings.warn(
-                _nonfinite_messages.reset_failed_message(e),
-                NonFiniteWarning,
-                stacklevel=3,
-            )
+            _warn(_nonfinite_messages.reset_failed_message(e), NonFiniteWarning)
             return
         self._state = _nonfinite.after_scale_reset(self._state, value)
 
@@ -597,8 +603,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         except OSError as e:
             # Losing the log must not lose the run: events stay in memory.
             self._log_failed = True
-            warnings.warn(
+            _warn(
                 _nonfinite_messages.log_failed_message(self.log_file, e),
                 NonFiniteWarning,
-                stacklevel=3,
             )

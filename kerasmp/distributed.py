@@ -17,9 +17,8 @@ import json
 import keras
 import numpy as np
 
+from kerasmp import policy as _policy
 from kerasmp._layers import walk
-from kerasmp.policy import Policy
-from kerasmp.policy import stored_policy
 
 _LOSS_SCALE_FIELDS = (
     "initial_scale",
@@ -38,8 +37,8 @@ def _governing_policy(model):
     """The kerasmp `Policy` governing `model` or its first governed layer."""
     layers = [model] + [layer for _, layer in walk(model)]
     for layer in layers:
-        stored = stored_policy(layer)
-        if isinstance(stored, Policy):
+        stored = _policy.stored_policy(layer)
+        if isinstance(stored, _policy.Policy):
             return stored
     return None
 

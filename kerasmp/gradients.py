@@ -28,7 +28,7 @@ import numpy as np
 from keras import ops
 
 from kerasmp import _batch_grads as _bg
-from kerasmp import debug as _debug
+from kerasmp._layers import walk
 from kerasmp._table import render_table
 from kerasmp.policy import stored_policy
 
@@ -297,7 +297,7 @@ def recommend(rows, margin):
 
 
 def _all_layers(model):
-    return [model] + [layer for _, layer in _debug.layer_paths(model).values()]
+    return [model] + [layer for _, layer in walk(model)]
 
 
 @contextlib.contextmanager

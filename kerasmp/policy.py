@@ -8,24 +8,28 @@ layers by default, plus any layer class or layer-name pattern the user names.
 How the override reaches layers: a layer's policy is whatever Keras stored in
 `layer._dtype_policy` (the global policy when `dtype=None`, or the parent's
 policy for layers such as the `Softmax` inside `MultiHeadAttention`). When that
-stored policy is a `kerasmp.Policy`, `kerasmp._hooks` resolves it against the
-layer each time Keras reads it (`Policy.policy_for(layer)`), so the rules also
-apply to nested layers and to attributes set after `super().__init__()`
+stored policy is a `kerasmp.Policy`, a descriptor (at the end of this module)
+resolves it against the layer each time Keras reads it
+(`Policy.policy_for(layer)`), so the rules also apply
+to nested layers and to attributes set after `super().__init__()`
 (an `Activation` layer's activation, say). Any other policy, including an
 explicit `dtype=` given by the user, is returned untouched and so wins.
 
 Length: `Policy`, its float32 rules and the global-policy helpers; the
-Keras patches live in `kerasmp._hooks`, the pattern matcher in
+patches that resolve, hand back, save and load it at the bottom of this
+module (the compile patch in `kerasmp._compile`), the pattern matcher in
 `kerasmp._namematch`.
 """
 
 import contextlib
+import functools
 import re
 import sys
+import threading
 
 import keras
 
-from kerasmp import _hooks
+from kerasmp import _keras_internals as _ki
 from kerasmp._namematch import NameMatcher
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
@@ -359,7 +363,7 @@ def set_global_policy(policy_or_name):
     layers; `set_global_policy("float32")` goes back to plain float32. While
     a float16 `kerasmp.Policy` governs a model's layers, `model.compile()`
     wraps a plain optimizer in `kerasmp.LossScaleOptimizer` (see
-    `kerasmp._hooks`).
+    `kerasmp._compile`).
 
     Args:
         policy_or_name: A policy name (`"mixed_float16"`, `"mixed_bfloat16"`,
@@ -402,8 +406,81 @@ def policy_scope(policy_or_name):
 
 
 def stored_policy(layer):
-    """Returns the policy stored on `layer`, before kerasmp's resolution."""
-    return _hooks.stored_policy(layer)
+    """Returns the policy stored on `layer`, before kerasmp's resolution.
+
+    None while `Layer.__init__` has not stored one yet.
+    """
+    return _ki.stored_dtype_policy(layer)
+
+
+def float32_rule(layer, policy=None):
+    """Returns the kerasmp rule that computes `layer` in float32, or None.
+
+    Args:
+        layer: A `keras.layers.Layer`.
+        policy: The `kerasmp.Policy` whose rules to apply. Defaults to the
+            layer's own kerasmp policy, or `Policy()` with the default rules
+            when the layer is not governed by one.
+    """
+    if policy is None:
+        stored = stored_policy(layer)
+        policy = stored if isinstance(stored, Policy) else Policy()
+    return policy.float32_rule(layer)
+
+
+# =============================================================================
+# The patches that make Keras honour a kerasmp policy. All are installed by
+# `install()` (on the first import of this module) and removed by
+# `uninstall()`, and all do nothing for layers that no `kerasmp.Policy`
+# governs. Every Keras class, module and private name they patch comes from
+# `kerasmp._keras_internals` (docs/architecture.md). The compile patch is in
+# `kerasmp._compile` (above this module); `kerasmp.install()` and
+# `kerasmp.uninstall()` cover both.
+#
+# 1. Resolution. `keras.layers.Layer._dtype_policy` becomes a data
+#    descriptor: Keras keeps writing the layer's policy to it (stored in the
+#    instance `__dict__`); reading it returns `policy.policy_for(layer)` when
+#    the stored policy is a `kerasmp.Policy`, the stored policy otherwise.
+#    Every Keras read of a compute or variable dtype goes through it, so one
+#    rule covers `dtype=None` layers, layers handed a parent's policy (the
+#    `Softmax` inside `MultiHeadAttention`) and attributes set after
+#    `Layer.__init__`.
+# 2. Hand-back. A layer a kerasmp rule keeps in float32, called inside
+#    another layer or model, hands its floating outputs back in the governing
+#    policy's compute dtype (as stock BatchNormalization does); the outputs of
+#    the outermost call stay the float32 values computed.
+# 3. Saving and loading. A kerasmp policy is saved as the stock
+#    `keras.DTypePolicy` plain Keras can load plus a `"kerasmp"` entry stock
+#    Keras ignores; with kerasmp, `dtype_policies.deserialize` rebuilds the
+#    kerasmp policy (only kerasmp's own classes) and `Operation.from_config`
+#    passes the policy object to the constructor with it made global while
+#    the constructor runs (sublayers created in `__init__` get it too).
+# =============================================================================
+
+_originals = {}  # what install() replaced, for uninstall()
+_installed = False
+
+
+class _ResolvedDTypePolicy:
+    """Data descriptor installed on `keras.layers.Layer` under
+    `_keras_internals.DTYPE_POLICY_ATTR`."""
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        try:
+            stored = layer.__dict__[_ki.DTYPE_POLICY_ATTR]
+        except KeyError:
+            raise AttributeError(_ki.DTYPE_POLICY_ATTR) from None
+        if isinstance(stored, Policy):
+            return stored.policy_for(layer)
+        return stored
+
+    def __set__(self, layer, value):
+        layer.__dict__[_ki.DTYPE_POLICY_ATTR] = value
+
+
+_calls = threading.local()  # depth of nested Layer.__call__, float32 outputs
 
 
 def handoff_dtype(layer):
@@ -423,48 +500,175 @@ def handoff_dtype(layer):
     >>> kerasmp.policy.handoff_dtype(keras.layers.LayerNormalization())
     'float16'
     """
-    return _hooks.handoff_dtype(layer)
+    stored = stored_policy(layer)
+    if not isinstance(stored, Policy) or stored.policy_for(layer) is stored:
+        return None
+    return stored.compute_dtype
 
 
-def float32_rule(layer, policy=None):
-    """Returns the kerasmp rule that computes `layer` in float32, or None.
+def _is_castable(x, target):
+    if x is None or isinstance(x, keras.KerasTensor):
+        return False
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not keras.ops.is_tensor(x):
+        return False
+    dtype = keras.backend.standardize_dtype(dtype)
+    return dtype in ("float32", "float64") and dtype != target
 
-    Args:
-        layer: A `keras.layers.Layer`.
-        policy: The `kerasmp.Policy` whose rules to apply. Defaults to the
-            layer's own kerasmp policy, or `Policy()` with the default rules
-            when the layer is not governed by one.
+
+def _cast_down(outputs, target, originals):
+    def cast(x):
+        if not _is_castable(x, target):
+            return x
+        y = keras.ops.cast(x, target)
+        mask = _ki.get_keras_mask(x)
+        if mask is not None:
+            _ki.set_keras_mask(y, mask)
+        originals[id(y)] = (y, x)
+        return y
+
+    return keras.tree.map_structure(cast, outputs)
+
+
+def _restore_float32(outputs, originals):
+    def restore(y):
+        entry = originals.get(id(y))
+        return entry[1] if entry is not None and entry[0] is y else y
+
+    return keras.tree.map_structure(restore, outputs)
+
+
+def _layer_call(self, *args, **kwargs):
+    depth = getattr(_calls, "depth", 0)
+    if depth == 0:
+        _calls.originals = {}
+    _calls.depth = depth + 1
+    try:
+        outputs = _originals["__call__"](self, *args, **kwargs)
+    finally:
+        _calls.depth = depth
+    originals = _calls.originals
+    if depth > 0:
+        target = handoff_dtype(self)
+        if target is not None:
+            outputs = _cast_down(outputs, target, originals)
+    elif originals:
+        outputs = _restore_float32(outputs, originals)
+        _calls.originals = {}
+    return outputs
+
+
+_KERASMP_KEY = "kerasmp"
+_SAVED_CLASSES = {"Policy": Policy, "Float32Override": Float32Override}
+
+
+def _serialize(policy):
+    """`dtype_policies.serialize` that stock Keras can read back."""
+    if not isinstance(policy, (Policy, Float32Override)):
+        return _originals["serialize"](policy)
+    config = _originals["serialize"](keras.DTypePolicy(policy.name))
+    config[_KERASMP_KEY] = {
+        "class_name": type(policy).__name__,
+        "config": policy.get_config(),
+    }
+    return config
+
+
+def policy_from_saved(entry):
+    """Rebuilds a kerasmp policy from the `"kerasmp"` entry of a file.
+
+    Only kerasmp's own policy classes are accepted: a file cannot make this
+    function import a module or build any other object.
+
+    Raises:
+        ValueError: The entry names anything else.
     """
-    if policy is None:
-        stored = stored_policy(layer)
-        policy = stored if isinstance(stored, Policy) else Policy()
-    return policy.float32_rule(layer)
+    name = entry.get("class_name") if isinstance(entry, dict) else None
+    cls = _SAVED_CLASSES.get(name)
+    if cls is None or not isinstance(entry.get("config"), dict):
+        raise ValueError(
+            "Invalid kerasmp dtype policy in the saved file: expected "
+            f"{sorted(_SAVED_CLASSES)} with a config dict. Received: "
+            f"{entry!r:.200}"
+        )
+    return cls.from_config(entry["config"])
+
+
+def _deserialize(config, custom_objects=None):
+    """`dtype_policies.deserialize` that restores kerasmp policies."""
+    if isinstance(config, dict) and _KERASMP_KEY in config:
+        return policy_from_saved(config[_KERASMP_KEY])
+    return _originals["deserialize"](config, custom_objects=custom_objects)
+
+
+def _from_config(cls, config):
+    original = _originals["from_config"]
+    dtype = config.get("dtype") if isinstance(config, dict) else None
+    if not isinstance(dtype, dict):
+        return original(cls, config)
+    policy = _deserialize(dtype)
+    if not isinstance(policy, (Policy, Float32Override)):
+        return original(cls, config)
+    # Build the layer the way it was built before saving: with its kerasmp
+    # policy global, whatever the global policy of the loading process.
+    governing = policy if isinstance(policy, Policy) else policy.policy
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(governing)
+    try:
+        return original(cls, {**config, "dtype": policy})
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def install():
-    """Installs kerasmp's hooks into Keras (idempotent).
+    """Installs the patches above into Keras (idempotent).
 
-    Importing kerasmp and creating a `Policy` install them, so user code
-    never needs to; see `kerasmp._hooks` for what they change. They act only
-    on layers whose policy is a kerasmp one.
+    Importing this module and creating a `Policy` install them; they act
+    only on layers whose policy is a kerasmp one. `kerasmp.install()` also
+    installs the compile patch.
     """
-    _hooks.install(Policy, saved_classes=(Policy, Float32Override))
+    global _installed
+    if not _installed:
+        operation = _ki.operation_class()
+        modules = _ki.dtype_policy_modules()
+        _originals.update(
+            __call__=keras.layers.Layer.__call__,
+            from_config=operation.from_config.__func__,
+            serialize=modules[0].serialize,
+            deserialize=modules[0].deserialize,
+        )
+        _ki.install_dtype_policy_descriptor(_ResolvedDTypePolicy())
+        keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
+            _layer_call
+        )
+        operation.from_config = classmethod(
+            functools.wraps(_originals["from_config"])(_from_config)
+        )
+        for module in modules:
+            module.serialize = _serialize
+            module.deserialize = _deserialize
+        _installed = True
 
 
 def uninstall():
-    """Removes kerasmp's hooks: Keras behaves exactly as without kerasmp.
+    """Removes the patches above (`kerasmp.uninstall()` removes the compile
+    patch too). Layers built under a `kerasmp.Policy` keep it, but then
+    compute in its dtype without float32 overrides."""
+    global _installed
+    if not _installed:
+        return
+    _ki.remove_dtype_policy_descriptor()
+    keras.layers.Layer.__call__ = _originals["__call__"]
+    _ki.operation_class().from_config = classmethod(_originals["from_config"])
+    for module in _ki.dtype_policy_modules():
+        module.serialize = _originals["serialize"]
+        module.deserialize = _originals["deserialize"]
+    _installed = False
 
-    Layers built under a `kerasmp.Policy` keep it, but then compute in its
-    dtype without float32 overrides. Creating a `Policy` installs the hooks
-    again.
 
-    Example:
-
-    >>> kerasmp.uninstall()
-    >>> keras.layers.Softmax(dtype="mixed_float16").compute_dtype
-    'float16'
-    """
-    _hooks.uninstall()
+def is_installed():
+    """Whether the hooks are in place."""
+    return _installed
 
 
 install()

@@ -11,7 +11,6 @@ from pathlib import Path
 import keras
 from keras import ops
 
-from kerasmp import _skip_guard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,13 +24,6 @@ class _Blocker:
             raise ImportError("kerasmp is not installed here")
 sys.meta_path.insert(0, _Blocker())
 """
-
-
-def tap_removed(model):
-    """No monitor's step wrapper is left on the model (kerasmp's own
-    skipped-step guard, installed by compile, may be)."""
-    step = model.__dict__.get("train_step")
-    return step is None or _skip_guard.is_skip_guard(step)
 
 
 class NaiveSoftmax(keras.layers.Layer):

@@ -290,6 +290,21 @@ def test_has_compiled_loss():
     assert ki.has_compiled_loss(model), _changed("Trainer._compile_loss")
 
 
+def test_loss_tracker_is_the_mean_fit_logs_as_loss():
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse")
+    tracker = ki.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean), _changed(
+        "Trainer._loss_tracker"
+    )
+    x = np.ones((4,) + tuple(model.input_shape[1:]), "float32")
+    y = model.predict(x, verbose=0) + 2.0  # mse 4 on every sample
+    logs = model.fit(x, y, batch_size=2, epochs=1, verbose=0).history
+    assert float(tracker.result()) == pytest.approx(logs["loss"][0], rel=1e-5)
+    # `count` is what kerasmp's train step reads (docs/monitoring.md).
+    assert float(tracker.count) > 0, _changed("Mean.count")
+
+
 def test_losses_override():
     layer = keras.layers.Dense(1, activity_regularizer="l2")
     layer(np.ones((1, 2), "float32"))
