@@ -11,8 +11,9 @@ get no loss scaling. `compile(..., auto_scale_loss=False)` turns it off, as
 in stock Keras. Models no kerasmp policy governs compile as in stock Keras.
 
 Then, for every model, `kerasmp._train_step.install` puts kerasmp's train
-step in place while the optimizer is a `kerasmp.LossScaleOptimizer` (and
-removes it otherwise): the one place the train step is changed. For a
+step in place: the one place the train step is changed (it undoes skipped
+steps and logs the loss scale while the optimizer is a
+`kerasmp.LossScaleOptimizer`). For a
 governed model under a multi-worker strategy,
 `kerasmp.distributed.check_workers_agree` then checks that every worker has
 the same precision settings.
@@ -72,7 +73,7 @@ def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     if not _governed_layers(self):
         result = original(self, *args, **kwargs)
-        _train_step.install(self)  # kerasmp's optimizer, if given
+        _train_step.install(self)
         return result
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()

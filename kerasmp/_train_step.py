@@ -1,16 +1,17 @@
 """The one place kerasmp changes Keras's train step, installed by `compile`.
 
-For a model compiled with `kerasmp.LossScaleOptimizer` (TensorFlow, or JAX
-without NNX), `compile` calls `install(model)`, which sets two instance
-attributes on the model, and nothing ever adds or removes them afterwards
-(compiling with another optimizer removes them):
+On TensorFlow and JAX (without NNX), `compile` calls `install(model)`, which
+sets two instance attributes on the model; nothing adds or removes them
+afterwards (a callback never does):
 
-- `train_step`: Keras's step, then, on a step the optimizer skipped, every
-  variable the step wrote is put back: the non-trainable ones the forward
-  pass assigned (batch-norm moving statistics, seed states) and every metric
-  variable. It returns `loss_scale` (the scale after the step) and
-  `skipped_steps` (the optimizer's cumulative count) with the other logs,
-  and one record per step (`ROW_FIELDS`) under a private key.
+- `train_step`: Keras's step, then, while the optimizer is a
+  `kerasmp.LossScaleOptimizer` and skipped the step, every variable the step
+  wrote is put back: the non-trainable ones the forward pass assigned
+  (batch-norm moving statistics, seed states) and every metric variable;
+  `loss_scale` (the scale after the step) and `skipped_steps` (the
+  optimizer's cumulative count) join the logs. With any optimizer the step
+  makes one record (`ROW_FIELDS`; never skipped and scale NaN without
+  kerasmp's optimizer) under a private key.
 - `make_train_function`: Keras's, then a host-side wrapper that takes the
   private entries out of the logs (so the progress bar, `History`,
   `CSVLogger` and `TensorBoard` see only `loss_scale` and `skipped_steps`)
@@ -97,39 +98,31 @@ def optimizer_state(optimizer):
 
 
 def install(model):
-    """Installs the train step on `model` or removes it (called by
-    `compile`): installed while `model.optimizer` is a
-    `kerasmp.LossScaleOptimizer`, removed otherwise."""
-    if not supported():
-        return
-    steps = model.__dict__.get(_ATTR)
-    if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer):
-        if steps is None:
-            steps = _Steps(model)
-            object.__setattr__(model, _ATTR, steps)
-            object.__setattr__(model, "train_step", steps.train_step)
-            object.__setattr__(
-                model, "make_train_function", steps.make_train_function
-            )
-    elif steps is not None:
-        object.__delattr__(model, _ATTR)
-        object.__delattr__(model, "make_train_function")
-        if steps.original is None:
-            object.__delattr__(model, "train_step")
-        else:
-            object.__setattr__(model, "train_step", steps.original)
+    """Installs the train step on `model` (called by `compile`; once per
+    model: the step reads `model.optimizer` when it is traced)."""
+    if supported() and _ATTR not in model.__dict__:
+        steps = _Steps(model)
+        object.__setattr__(model, _ATTR, steps)
+        object.__setattr__(model, "train_step", steps.train_step)
+        object.__setattr__(
+            model, "make_train_function", steps.make_train_function
+        )
 
 
-def installed(model):
-    """Whether `install` put kerasmp's train step on `model`."""
-    return _ATTR in model.__dict__
+def scaled(model):
+    """Whether the train step of `model` logs `loss_scale` and
+    `skipped_steps` and undoes skipped steps (kerasmp's train step with
+    `kerasmp.LossScaleOptimizer`)."""
+    return _ATTR in model.__dict__ and isinstance(
+        getattr(model, "optimizer", None), LossScaleOptimizer
+    )
 
 
 def keep_batches(model):
     """Makes the train step keep each step's batch for `batch(model)` (the
     one opt-in: a reference to the batch on TensorFlow, the items the
     iterator yields on JAX). Returns whether batches are kept (not under a
-    multi-replica strategy, nor without kerasmp's train step)."""
+    multi-replica strategy)."""
     steps = model.__dict__.get(_ATTR)
     if steps is None or not _single_replica(model):
         return False
@@ -322,10 +315,6 @@ class _Steps:
             return self.original
         return type(self.model).train_step.__get__(self.model)
 
-    def _metrics_records(self):
-        model = self.model
-        return _single_replica(model), list(model.metrics_variables)
-
     def _count_index(self, watched):
         tracker = _ki.loss_tracker(self.model)
         count = getattr(tracker, "count", None)
@@ -336,33 +325,29 @@ class _Steps:
 
     def _tf_step(self, data):
         model = self.model
-        single, watched = self._metrics_records()
-        if not single:
-            watched = []
-        undo = Frozen(list(model.non_trainable_variables) + watched)
+        single = _single_replica(model)
+        watched = list(model.metrics_variables) if single else []
+        scaled = isinstance(model.optimizer, LossScaleOptimizer)
+        undo = Frozen(
+            (list(model.non_trainable_variables) if scaled else []) + watched
+        )
         logs = self._keras_step()(data)
-        optimizer = model.optimizer
-        if not isinstance(logs, dict) or not isinstance(
-            optimizer, LossScaleOptimizer
-        ):
+        if not isinstance(logs, dict):
             return logs
         logs = dict(logs)
         after = [_tf_now(v) for v in watched]
-        consecutive = _tf_now(optimizer.consecutive_skipped_steps)
-        total = _tf_now(optimizer.total_skipped_steps)
-        scale = _tf_now(optimizer.dynamic_scale)
-        skipped = consecutive > 0
-        undo.restore(skipped)
-        logs[SCALE_KEY] = ops.cast(scale, "float32")
-        logs[SKIPPED_KEY] = total
+        skipped, consecutive, total, scale = self._counters(
+            lambda v: _tf_now(v)
+        )
+        if scaled:
+            undo.restore(skipped)
+            logs[SCALE_KEY] = ops.cast(scale, "float32")
+            logs[SKIPPED_KEY] = total
         if not single:
             return logs
-        forward = (
-            _nonfinite_now(undo.before[-len(watched) :], after)
-            if (watched)
-            else ops.array(False)
-        )
-        if watched:
+        forward = _nonfinite_now(undo.before[len(undo.before) - len(after) :],
+                                 after)
+        if scaled and watched:
             i = self._count_index(watched)
             count = None if i is None else _tf_now(watched[i])
             logs = _honest_logs(
@@ -391,57 +376,62 @@ class _Steps:
             logs[_BATCH_KEY] = tuple(t for t in flat if t is not None)
         return logs
 
+    def _counters(self, value_of):
+        """`(skipped, consecutive, total, scale)` after the step, from
+        kerasmp's optimizer (`value_of(variable)` reads one), or a step
+        that is never skipped and has no scale."""
+        optimizer = self.model.optimizer
+        if not isinstance(optimizer, LossScaleOptimizer):
+            zero = ops.array(0, "int64")
+            return ops.array(False), zero, zero, ops.array(float("nan"))
+        consecutive = value_of(optimizer.consecutive_skipped_steps)
+        total = value_of(optimizer.total_skipped_steps)
+        scale = value_of(optimizer.dynamic_scale)
+        return consecutive > 0, consecutive, total, scale
+
     # -------------------------------------------------------------- JAX
 
     def _jax_step(self, state, data):
         model = self.model
         logs, new_state = self._keras_step()(state, data)
-        optimizer = model.optimizer
-        if not isinstance(logs, dict) or not isinstance(
-            optimizer, LossScaleOptimizer
-        ):
+        if not isinstance(logs, dict):
             return logs, new_state
         logs = dict(logs)
         field = _ki.jax_state_field
+        optimizer = model.optimizer
         index = {id(v): i for i, v in enumerate(optimizer.variables)}
         values = field(new_state, "optimizer_variables")
-
-        def new(variable):
-            return values[index[id(variable)]]
-
-        consecutive = new(optimizer.consecutive_skipped_steps)
-        total = new(optimizer.total_skipped_steps)
-        scale = new(optimizer.dynamic_scale)
-        skipped = consecutive > 0
-        name = "non_trainable_variables"
-        new_state = _ki.jax_state_replace(
-            new_state,
-            name,
-            restore_jax(
-                field(state, name), field(new_state, name), skipped
-            ),
+        skipped, consecutive, total, scale = self._counters(
+            lambda v: values[index[id(v)]]
         )
         watched = list(model.metrics_variables)
         old_m = list(field(state, "metrics_variables"))
         new_m = list(field(new_state, "metrics_variables"))
         forward = _nonfinite_now(old_m, new_m)
-        if watched:
-            fixed = restore_jax(old_m, new_m, skipped)
+        if isinstance(optimizer, LossScaleOptimizer):
+            name = "non_trainable_variables"
             new_state = _ki.jax_state_replace(
-                new_state, "metrics_variables", fixed
+                new_state,
+                name,
+                restore_jax(
+                    field(state, name), field(new_state, name), skipped
+                ),
             )
-            with keras.StatelessScope(
-                state_mapping=list(zip(watched, fixed))
-            ):
-                fresh = model.get_metrics_result()
-            i = self._count_index(watched)
-            count = None if i is None else fixed[i]
-            logs = _honest_logs(logs, fresh, skipped, count)
-        logs[SCALE_KEY] = ops.cast(scale, "float32")
-        logs[SKIPPED_KEY] = total
-        logs[_ROW_KEY] = _record(
-            skipped, consecutive, total, scale, forward
-        )
+            if watched:
+                fixed = restore_jax(old_m, new_m, skipped)
+                new_state = _ki.jax_state_replace(
+                    new_state, "metrics_variables", fixed
+                )
+                with keras.StatelessScope(
+                    state_mapping=list(zip(watched, fixed))
+                ):
+                    fresh = model.get_metrics_result()
+                i = self._count_index(watched)
+                count = None if i is None else fixed[i]
+                logs = _honest_logs(logs, fresh, skipped, count)
+            logs[SCALE_KEY] = ops.cast(scale, "float32")
+            logs[SKIPPED_KEY] = total
+        logs[_ROW_KEY] = _record(skipped, consecutive, total, scale, forward)
         return logs, new_state
 
     def train_step(self, *args):

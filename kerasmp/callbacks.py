@@ -1,7 +1,7 @@
 """Callbacks that show the loss scale and explain every inf/NaN event.
 
 Both only read what kerasmp's train step (`kerasmp._train_step`, installed
-by `compile` for models trained with `kerasmp.LossScaleOptimizer`) returns:
+by `compile`) returns:
 `loss_scale` and `skipped_steps` in the logs, one record per step, and the
 step's batch once `keep_batches` is on. Attaching them changes no value in
 the logs (they only add keys of their own), like Keras's `TerminateOnNaN`.
@@ -68,7 +68,7 @@ def _needs_kerasmp_optimizer(monitor, optimizer):
     """The one-line warning when the model is not trained with
     `kerasmp.LossScaleOptimizer` (nothing then puts the scale in the logs);
     None when it is."""
-    if _train_step.installed(monitor.model):
+    if _train_step.scaled(monitor.model):
         return None
     name = type(optimizer).__name__
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -386,7 +386,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         model = self.model
         optimizer = model.optimizer
-        scaled = _train_step.installed(model)
+        scaled = _train_step.scaled(model)
         if not scaled and isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer
         ):
@@ -448,9 +448,13 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 self._on_verdict(
                     verdict, step, self._batch_begin + i, loss, offsets
                 )
-        self._state, verdict = _nonfinite.classify_logged_loss(
-            self._state, loss
-        )
+        # While no step of the epoch was applied, the logs carry the loss of
+        # the latest skipped step (docs/monitoring.md): its record says why.
+        verdict = None
+        if not (rows and rows[-1]["skipped"]):
+            self._state, verdict = _nonfinite.classify_logged_loss(
+                self._state, loss
+            )
         if verdict is not None:
             self._on_verdict(
                 verdict, self._next_step - 1, batch, loss, (0, None)

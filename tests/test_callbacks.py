@@ -18,7 +18,6 @@ import keras
 import numpy as np
 import pytest
 from _helpers import NaiveSoftmax
-from _helpers import tap_removed
 from keras import ops
 
 from kerasmp.callbacks import LossScaleMonitor
@@ -190,10 +189,9 @@ def test_loss_scale_reaches_history_csv_and_tensorboard(
     assert [s for _, s, _ in monitors[0].trace] == scales
     assert [k for _, _, k in monitors[0].trace] == skipped
 
-    # The model is left as fit found it.
-    assert tap_removed(model)
+    # Without monitors the logs carry the same keys (compile set them up).
     history = model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
-    assert "loss_scale" not in history.history
+    assert set(history.history) == {"loss", "loss_scale", "skipped_steps"}
     if not has_tensorboard:
         pytest.skip("tensorboard is not installed: TensorBoard not checked")
 
@@ -249,14 +247,13 @@ def test_monitors_trace_the_step_as_often_as_a_plain_fit():
     monitored, model = traces([monitors] * 3)
     assert plain >= 1
     assert monitored == plain
-    # Plain fits after monitored ones run the model's own function (which
-    # the monitors never let run) and trace like plain fits of a new model.
+    # Plain fits after monitored ones reuse the traced step: the monitors
+    # changed nothing in the model.
     before = TraceCounting.traces
     for _ in range(2):
         history = model.fit(x, y, batch_size=BATCH, verbose=0)
-        assert "loss_scale" not in history.history
-    after_monitors = TraceCounting.traces - before
-    assert 1 <= after_monitors <= traces([list] * 2)[0]
+        assert "loss_scale" in history.history
+    assert TraceCounting.traces == before
 
 
 def test_a_fit_aborted_by_another_callback_leaves_nothing_behind():
@@ -282,32 +279,33 @@ def test_a_fit_aborted_by_another_callback_leaves_nothing_behind():
     history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
     assert history.history["loss_scale"] == [1024.0]
     assert [step for step, _, _ in monitor.trace] == list(range(6))
-    assert tap_removed(model)
-    assert (
-        "loss_scale" not in model.fit(x, y, batch_size=BATCH, verbose=0).history
-    )
+    assert model.fit(x, y, batch_size=BATCH, verbose=0).history[
+        "loss_scale"
+    ] == [1024.0]
 
 
-def test_stock_keras_loss_scale_optimizer_is_supported():
-    """Keras's own LossScaleOptimizer has no skip counter: it is derived
-    from `iterations`, which only advances on applied steps."""
+def test_stock_keras_loss_scale_optimizer_is_named_in_one_warning():
+    """Keras's own LossScaleOptimizer keeps no skip counters: the monitor
+    says in one line that kerasmp's (same config) logs them."""
     keras.config.set_dtype_policy("mixed_float16")
     x, y = _data(6)
-    x[2 * BATCH] = 1e5  # step 2 overflows
     optimizer = keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.01), initial_scale=8.0, dynamic_growth_steps=100
     )
     model = _softmax_model(optimizer)
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        shuffle=False,
-        verbose=0,
-        callbacks=[LossScaleMonitor()],
-    )
-    assert history.history["loss_scale"] == [4.0]
-    assert history.history["skipped_steps"] == [1.0]
+    with pytest.warns(UserWarning) as record:
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[LossScaleMonitor()],
+        )
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and "kerasmp.LossScaleOptimizer" in messages[0]
+    assert "\n" not in messages[0]
+    assert "loss_scale" not in history.history  # stock Keras, stock logs
 
 
 def test_no_loss_scale_logs_nothing_and_warns_once():
@@ -407,10 +405,9 @@ def test_raise_carries_the_same_diagnosis():
     assert "stuck" in str(info.value) and "naive_softmax" in str(info.value)
     assert info.value.report.layer == "naive_softmax"
     assert _weights_finite(model)
-    # The model was restored before raising: a plain fit works as before.
-    assert tap_removed(model)
+    # A plain fit after the raise works as before.
     history = model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
-    assert set(history.history) == {"loss"}
+    assert set(history.history) == {"loss", "loss_scale", "skipped_steps"}
 
 
 def test_fallback_trains_to_the_float32_loss():

@@ -15,7 +15,6 @@ import keras
 import numpy as np
 import pytest
 from _helpers import NaiveSoftmax
-from _helpers import tap_removed
 from keras import ops
 
 from kerasmp.callbacks import LossScaleMonitor
@@ -131,7 +130,6 @@ def test_loss_scale_follows_grad_scaler_under_jit_and_multi_step(jit, spe):
     ]
     assert all(e["loss_finite"] is False for e in nfm.events)
     assert all(math.isfinite(v) for v in history.history["loss"])
-    assert tap_removed(model)
 
 
 def _skip_pattern_run(jit, spe, patience, action="warn", locate=True):
@@ -215,7 +213,6 @@ def test_stop_under_multi_step_stops_after_the_group(jit):
         (2, "stop")
     ]
     assert _summary(multi.events)[:3] == _summary(single.events)
-    assert tap_removed(model)
 
 
 # --------------------------------------------------------------------------
@@ -306,8 +303,8 @@ def test_fallback_warns_naming_the_layer_and_restores_the_scale():
 
 def test_skipped_forward_nan_does_not_poison_the_epoch_loss():
     """Batch 2 of 6 overflows in the forward pass and is skipped. With a
-    monitor, the epoch's loss averages the 5 applied steps (equal to a fit
-    without that batch) and TerminateOnNaN lets the run finish."""
+    monitor or without, the epoch's loss averages the 5 applied steps (equal
+    to a fit without that batch) and TerminateOnNaN lets the run finish."""
     x, y = _data(6)
     bad = _overflow(x, [2])
 
@@ -337,9 +334,11 @@ def test_skipped_forward_nan_does_not_poison_the_epoch_loss():
         monitored["loss"], reference["loss"], rtol=1e-5
     )
     assert monitored["skipped_steps"] == [1]
-    # Without a monitor Keras's own running loss is NaN from the bad step.
+    # Without a monitor: the same logs (stock Keras's running loss would be
+    # NaN from the bad step and TerminateOnNaN would stop at step 3).
     plain, plain_steps = fit(bad, y, [keras.callbacks.TerminateOnNaN()])
-    assert plain_steps == 3 and math.isnan(plain["loss"][0])
+    assert plain_steps == 6
+    np.testing.assert_array_equal(plain["loss"], monitored["loss"])
 
 
 def test_nan_loss_on_applied_steps_is_still_nan():
@@ -409,7 +408,7 @@ def _failing_batches(x, y):
         yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
 
 
-def test_step_wrapper_removed_when_fit_raises():
+def test_a_fit_that_raises_leaves_the_next_fit_as_usual():
     x, y = _data(6)
     model = _model(
         LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=8.0)
@@ -418,20 +417,14 @@ def test_step_wrapper_removed_when_fit_raises():
     with pytest.raises(Exception, match="bad data"):
         model.fit(_failing_batches(x, y), verbose=0, shuffle=False,
                   callbacks=[LossScaleMonitor(), NonFiniteMonitor()])
-    assert tap_removed(model)
-    assert "finalize_variable_values" not in model.optimizer.__dict__
-
     # An exception from another callback.
     with pytest.raises(RuntimeError, match="abort"):
         model.fit(x, y, batch_size=BATCH, verbose=0,
                   callbacks=[LossScaleMonitor(), _Abort()])
-    if JAX:  # Keras's JAX fit ends in a `finally`: removed at once
-        assert tap_removed(model)
-    # The next fit without monitors runs the model's own step.
+    # Monitors patch nothing: the next fit logs what compile set up.
     history = model.fit(x, y, batch_size=BATCH, verbose=0)
-    assert set(history.history) == {"loss"}
-    assert tap_removed(model)
-    assert "finalize_variable_values" not in model.optimizer.__dict__
+    assert set(history.history) == {"loss", "loss_scale", "skipped_steps"}
+    assert not model.optimizer.__dict__.get("finalize_variable_values")
 
 
 @pytest.mark.parametrize("jit", [False, True])

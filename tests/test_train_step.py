@@ -140,17 +140,20 @@ def test_a_nan_forward_pass_logs_nan_not_zero(jit):
     assert math.isnan(history["loss"][0])
 
 
-def test_installed_by_compile_and_removed_by_another_optimizer():
+def test_installed_by_compile_and_scaled_with_kerasmps_optimizer_only():
     kerasmp.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    x = np.ones((8, 3), "float32")
     model.compile("sgd", "mse")
     assert isinstance(model.optimizer, LossScaleOptimizer)
-    assert _train_step.installed(model)
+    assert _train_step.scaled(model)
+    assert set(model.fit(x, x[:, :1], verbose=0).history) == {
+        "loss", "loss_scale", "skipped_steps"}
+    # Another optimizer: stock logs (the step is still kerasmp's).
     model.compile("sgd", "mse", auto_scale_loss=False)
-    assert not _train_step.installed(model)
-    assert "train_step" not in model.__dict__
-    model.compile(LossScaleOptimizer(keras.optimizers.SGD()), "mse")
-    assert _train_step.installed(model)
+    assert not _train_step.scaled(model)
+    assert set(model.fit(x, x[:, :1], verbose=0).history) == {"loss"}
+    assert len(_train_step.rows(model)) == 1
 
 
 def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
@@ -158,7 +161,7 @@ def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     stock = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
     model.compile(stock, "mse")
-    assert not _train_step.installed(model)
+    assert not _train_step.scaled(model)
     x = np.ones((8, 3), "float32")
     with pytest.warns(UserWarning, match="from_config") as record:
         model.fit(x, x[:, :1], verbose=0, callbacks=[LossScaleMonitor()])
