@@ -20,11 +20,12 @@ trials of the wall-time ratio to "plain", the ratio of median process CPU times
 Python cost of the monitors per step, timed alone. Target: monitors/plain <=
 1.02 and performance/plain <= 1.02.
 
-What the monitors cost per step: two extra scalars in the step's logs
-(converted with the loss), a five-number record of the step (one transfer),
-a read and conditional write-back of the metric and non-trainable variables
-(so a skipped step leaves them as they were), a reference to the batch (kept
-on the device for `locate`), a few Python comparisons in
+What the monitors cost per step: kerasmp's train step (installed by
+`compile`, so in every configuration: two extra scalars in the logs, a
+five-number record of the step, the skipped-step undo) is the same with and
+without them; they add reading the record (one transfer), a reference to
+the batch (kept on the device for `locate`: `NonFiniteMonitor(locate=True)`
+turns it on), a few Python comparisons in
 `NonFiniteMonitor.on_train_batch_end`, and synchronous rather than
 thread-pooled dispatch of batch callbacks (any callback with
 `on_train_batch_end` does that). Nothing is located unless an event happens.
@@ -119,7 +120,7 @@ def timed_fit(model, x, y, batch_size, epochs, config):
         callbacks=callbacks(config),
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    assert ("loss_scale" in history.history) == (config == "monitors")
+    assert "loss_scale" in history.history  # logged by compile's step
     assert ("steps_per_second" in history.history) == (
         config == "performance"
     )
@@ -130,13 +131,13 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
     """Seconds of Python the monitors add per step, measured alone.
 
     Replays, on the host only, what the monitors do after each step: the
-    train function's wrapper popping the batch reference and the step's
-    record from the step's logs, and both monitors' `on_train_batch_end` on
-    logs holding the same values Keras would pass (the step itself is not
-    run). Wall-clock noise from other processes barely touches a loop this
-    short.
+    train function's wrapper (installed by compile) popping the batch
+    reference and the step's record from the step's logs, and both
+    monitors' `on_train_batch_end` on logs holding the same values Keras
+    would pass (the step itself is not run). Wall-clock noise from other
+    processes barely touches a loop this short.
     """
-    from kerasmp import _step_tap
+    from kerasmp import _train_step
 
     lsm, nfm = LossScaleMonitor(), NonFiniteMonitor()
     params = {"epochs": 1, "steps": repeats, "verbose": 0}
@@ -145,31 +146,28 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
         cb.set_params(params)
         cb.on_train_begin()
         cb.on_epoch_begin(0)
-    tap = model.__dict__[_step_tap._TAP_ATTR]
-    tap._function()  # build (cached: no trace) so the batch spec is known
+    steps = model.__dict__[_train_step._ATTR]
     batch = tuple(
         keras.ops.convert_to_tensor(a) for a in (x[:batch_size], y[:batch_size])
     )
-    logs = {"loss": 2.3, "loss_scale": 32768.0, "skipped_steps": 0.0}
+    logs = {"loss": 2.3, "loss_scale": 32768.0, "skipped_steps": 0}
     step_logs = {
         "loss": keras.ops.convert_to_tensor(2.3),
         "loss_scale": keras.ops.convert_to_tensor(32768.0),
         "skipped_steps": keras.ops.convert_to_tensor(0),
-        _step_tap._BATCH_KEY: batch,
+        _train_step._BATCH_KEY: batch,
         # The step's record: not skipped, counters 0, scale 2**15, finite.
-        _step_tap._ROW_KEY: keras.ops.convert_to_tensor(
+        _train_step._ROW_KEY: keras.ops.convert_to_tensor(
             np.array([0.0, 0.0, 0.0, 32768.0, 0.0], "float32")
         ),
     }
     start = time.perf_counter()
     for i in range(repeats):
-        tap._post(dict(step_logs))
+        steps._take(dict(step_logs))
         for cb in (lsm, nfm):
             cb.on_train_batch_begin(i)
             cb.on_train_batch_end(i, logs)
     elapsed = time.perf_counter() - start
-    for cb in (lsm, nfm):
-        cb.on_train_end()
     return elapsed / repeats
 
 

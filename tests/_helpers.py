@@ -11,7 +11,6 @@ from pathlib import Path
 import keras
 from keras import ops
 
-
 ROOT = Path(__file__).resolve().parent.parent
 
 # The first lines of a subprocess script in which kerasmp cannot be imported,
