@@ -3,10 +3,11 @@
 Every `keras.src` import and every read or write of a private attribute of
 a Keras object (`layer._flatten_layers`, `optimizer._iterations`, ...) lives
 here, as a small named function. Other kerasmp modules call these functions
-and use only Keras's public API otherwise; `kerasmp._hooks` (which *patches*
+and use only Keras's public API otherwise; the patches at the end of
+`kerasmp/policy.py` and in `kerasmp/_compile.py` (which *patch*
 Keras: the `_dtype_policy` descriptor, `Layer.__call__`, `compile`,
-`from_config`, `dtype_policies.serialize`/`deserialize`) gets every Keras
-class, module and private attribute name it patches from here.
+`from_config`, `dtype_policies.serialize`/`deserialize`) get every Keras
+class, module and private attribute name they patch from here.
 
 Each function has a contract test in `tests/test_keras_internals.py` that
 fails naming the Keras version when the internal it relies on changes; run

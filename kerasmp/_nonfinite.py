@@ -3,7 +3,7 @@ rules, as pure functions (plain values in, plain values out; no Keras
 object, no side effect), after the style of the optimizer's `_next_state`.
 
 - `start` gives a run's first `State`.
-- `classify` takes the state and one step's record (a `_step_tap` row) and
+- `classify` takes the state and one step's record (a `_train_step` row) and
   returns the next state and the step's `Verdict` (its event's kind,
   whether the monitor's action applies, whether to locate the layer), or
   None when the step is unremarkable.
@@ -139,7 +139,7 @@ def classify(state, row, rules):
     Args:
         state: the `State` before the step.
         row: the step's record, a mapping with the keys of
-            `kerasmp._step_tap.ROW_FIELDS`: `skipped` (bool),
+            `kerasmp._train_step.ROW_FIELDS`: `skipped` (bool),
             `consecutive` and `total` (the optimizer's skip counts after
             the step), `scale` (the loss scale after it), `forward` (bool:
             the loss or a layer output was non-finite).

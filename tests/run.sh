@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the test suite on both Keras backends: everything under TensorFlow,
-# then every test not marked `tensorflow` under JAX. Extra arguments go to
-# both pytest runs. Both runs always happen; the script fails if either
+# then every test not marked `tensorflow` under JAX, each on two
+# pytest-xdist workers (see below). Extra arguments go to both pytest runs. Both runs always happen; the script fails if either
 # failed (exit status 1, after naming the failed backends).
 #
 # `bash tests/run.sh --keras-nightly [pytest args]` runs the same two passes
@@ -36,6 +36,20 @@ if [[ "${1:-}" == "--keras-nightly" ]]; then
     echo "== keras $("$python" -c 'import keras; print(keras.__version__)' \
         2>/dev/null) (keras-nightly, in $venv)"
 fi
+# Two pytest-xdist workers (a dev extra), one test file per worker at a time
+# (`--dist loadfile`: module-scoped fixtures build once), unless the
+# arguments choose (`-n 0` runs in one process) or xdist is not installed.
+# KERASMP_TEST_WORKERS=N sets the count.
+parallel=()
+case " $* " in
+    *" -n "*|*" -n="*|*" --numprocesses"*|*" -p no:xdist "*) ;;
+    *)
+        if "$python" -c "import xdist" 2>/dev/null; then
+            parallel=(-n "${KERASMP_TEST_WORKERS:-2}" --dist loadfile)
+        fi
+        ;;
+esac
+set -- "${parallel[@]}" "$@"
 failed=()
 echo "== KERAS_BACKEND=tensorflow"
 KERAS_BACKEND=tensorflow "$python" -m pytest "$@" || failed+=(tensorflow)

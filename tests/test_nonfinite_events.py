@@ -28,7 +28,7 @@ RULES = Rules(patience=3, scaled=True, dynamic=True, min_scale=1.0)
 
 
 def row(skipped, consecutive, scale, total, forward=False):
-    """A step record as `_step_tap.StepTap.rows` gives it."""
+    """A step record as `_train_step.rows(model)` gives it."""
     return {
         "skipped": skipped,
         "consecutive": consecutive,
