@@ -382,7 +382,7 @@ class _Steps:
         that is never skipped and has no scale."""
         optimizer = self.model.optimizer
         if not isinstance(optimizer, LossScaleOptimizer):
-            zero = ops.array(0, "int64")
+            zero = ops.array(0, "int32")
             return ops.array(False), zero, zero, ops.array(float("nan"))
         consecutive = value_of(optimizer.consecutive_skipped_steps)
         total = value_of(optimizer.total_skipped_steps)
@@ -447,6 +447,14 @@ class _Steps:
         if model.train_function is not None and not force:
             return model.train_function
         make = type(model).make_train_function
+
+        # A new function object for every build: `jax.jit` reuses the trace
+        # of a function it has seen, which a dtype change (the fallback)
+        # makes stale.
+        def train_step(*args):
+            return self.train_step(*args)
+
+        object.__setattr__(model, "train_step", train_step)
         self.spe = spe = int(getattr(model, "steps_per_execution", 1) or 1)
         if keras.backend.backend() == "jax":
             # Keras's multi-step loop keeps the last step's logs only: build

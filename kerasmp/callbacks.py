@@ -126,9 +126,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
             integer N: log `grad_underflow` every N steps.
 
     Attributes:
-        trace: list of `(step, loss_scale, skipped_steps)`, one per train
-            step (steps counted from 0 over all `fit` calls; the scale and
-            count after that step), for `kerasmp.plotting.plot_loss_scale`.
+        trace: list of `(step, loss_scale, skipped_steps)`, one per batch
+            end (every step; with `steps_per_execution=k`, every k-th; steps
+            counted from 0 over all `fit` calls; the scale and count after
+            that step), for `kerasmp.plotting.plot_loss_scale`.
         initial_scale: the scale before the first step seen.
         initial_skipped: `skipped_steps` before the first step seen.
         underflow_trace: list of `(step, loss_scale, grad_underflow)`, one
