@@ -25,9 +25,9 @@ from kerasmp.optimizer import LossScaleOptimizer
 
 def _data():
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(48, 6)).astype("float32")
+    x = rng.normal(size=(24, 6)).astype("float32")
     y = (x[:, :1] * 0.5 + 0.1).astype("float32")
-    x[[5, 20, 40], 0] = 1e5  # inf in float16: those steps are skipped
+    x[[5, 13, 20], 0] = 1e5  # inf in float16: those steps are skipped
     return x, y
 
 
@@ -84,7 +84,7 @@ def test_logs_do_not_depend_on_the_monitors(jit, spe):
     for a, b in zip(w_watched, w_plain):
         np.testing.assert_array_equal(a, b)
     # The monitor saw every execution of `spe` steps.
-    assert len(monitors[0].trace) == 24 // spe
+    assert len(monitors[0].trace) == 12 // spe
     assert monitors[0].trace[-1][2] == plain["skipped_steps"][-1]
 
 
