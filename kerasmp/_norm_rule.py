@@ -44,7 +44,7 @@ import keras
 from kerasmp import _keras_internals as _ki
 
 NORMALIZATION_NAME = re.compile(
-    r"(?i).*norm(alization|alisation)?(_?[123]d)?")
+    r"(?i).*norm(alization|alisation)?(_?gated)?(_?[123]d)?")
 """A class name that ends like a normalization's (matched with fullmatch)."""
 
 
