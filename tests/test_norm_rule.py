@@ -343,3 +343,22 @@ def test_dtype_report_policy_scope_and_fallback_reasons():
     assert rows["block/inner"].reason == "float32 by NonFiniteMonitor fallback"
     assert rows["head"].compute_dtype == "float16"
     assert not re.search("explicit dtype", str(kerasmp.dtype_report(model)))
+
+
+def test_export_keeps_the_same_layers_float32():
+    """`kerasmp.export.to_float16` applies the model's policy rules: the
+    name-rule norm and an excluded layer come out as they trained."""
+    kerasmp.set_global_policy(kerasmp.Policy(
+        "mixed_float16", float32_exclude=["plain_norm"]))
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(4, name="proj")(inputs)
+    x = RMSNorm(name="rms")(x)
+    x = RMSNorm(name="plain_norm")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+    trained = {l.name: l.compute_dtype for l in model.layers[1:]}
+    assert trained == {"proj": "float16", "rms": "float32",
+                       "plain_norm": "float16", "head": "float16"}
+    half = kerasmp.export.to_float16(model)
+    assert half.layer_compute_dtypes() == trained
+    assert set(half.kept_float32) == {"rms"}
+    assert half.kept_float32["rms"] == "normalization by name (RMSNorm)"
