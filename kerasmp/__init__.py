@@ -26,6 +26,8 @@ __version__ = "0.1.0"
 # Public name -> (module, attribute or None for the module itself).
 _LAZY = {
     "callbacks": ("kerasmp.callbacks", None),
+    "CheckReport": ("kerasmp.checks", "CheckReport"),
+    "check": ("kerasmp.checks", "check"),
     "debug": ("kerasmp.debug", None),
     "export": ("kerasmp.export", None),
     "NonFiniteError": ("kerasmp.errors", "NonFiniteError"),
@@ -47,6 +49,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "CheckReport",
     "DEFAULT_FLOAT32_LAYERS",
     "DTypeReport",
     "Float32Override",
@@ -55,6 +58,7 @@ __all__ = [
     "NonFiniteWarning",
     "Policy",
     "callbacks",
+    "check",
     "debug",
     "doctor",
     "export",
