@@ -183,35 +183,41 @@ def _stock_policy(model):
     global_policy = _policy.global_policy()
     stock_layers = [(p, layer) for p, layer in _layers(model)
                     if _half_name(_policy.stored_policy(layer))]
-    names = {_policy.stored_policy(layer).name for _, layer in stock_layers}
+    fix = ("kerasmp.set_global_policy({name!r}) before building the model "
+           "(instead of keras.mixed_precision.set_global_policy({name!r}))")
     if _half_name(global_policy):
-        names.add(global_policy.name)
-    for name in sorted(names):
+        name = global_policy.name
+        findings.append(Finding(
+            "warning", "stock_policy", "",
+            f"the global policy is a stock keras.DTypePolicy({name!r}), not "
+            "a kerasmp.Policy: layers built from now on get none of "
+            "kerasmp's float32 rules",
+            "stock Keras computes softmax and the normalizations Keras does "
+            "not define in half precision, and adds loss scaling only to "
+            "models whose own policy is named mixed_float16",
+            fix.format(name=name)))
+    for name in sorted({_policy.stored_policy(layer).name
+                        for _, layer in stock_layers}):
         would = _policy.Policy(name)
-        moved = [p for p, layer in stock_layers
-                 if _policy.stored_policy(layer).name == name
-                 and would.float32_rule(layer) is not None]
-        change = (f"kerasmp would compute {len(moved)} of this model's "
-                  "layers in float32"
+        layers = [(p, layer) for p, layer in stock_layers
+                  if _policy.stored_policy(layer).name == name]
+        moved = [p for p, layer in layers
+                 if would.float32_rule(layer) is not None]
+        change = (f"kerasmp would compute {len(moved)} of them in float32"
                   + (f" ({', '.join(moved[:4])}"
                      + (", ..." if len(moved) > 4 else "") + ")"
                      if moved else ""))
         if name == "mixed_float16":
-            change += (" and compile would wrap the optimizer in "
-                       "kerasmp.LossScaleOptimizer whenever a layer computes "
-                       "in float16 (stock Keras: only if the model's own "
-                       "policy is named mixed_float16)")
-        where = ("the global policy" if _half_name(global_policy)
-                 and global_policy.name == name else "this model's layers")
+            change += (", and compile would wrap the optimizer in "
+                       "kerasmp.LossScaleOptimizer whenever a layer "
+                       "computes in float16")
         findings.append(Finding(
             "warning", "stock_policy", "",
-            f"a stock keras.DTypePolicy({name!r}) governs {where}, so "
-            "kerasmp's float32 rules are not applied",
-            "stock Keras computes softmax and normalizations Keras does not "
-            f"define in half precision; {change}",
-            f"kerasmp.set_global_policy({name!r}) before building the model "
-            f"(instead of keras.mixed_precision.set_global_policy({name!r}))"
-        ))
+            f"{len(layers)} layer(s) of this model have a stock "
+            f"keras.DTypePolicy({name!r}), so kerasmp's float32 rules do "
+            "not apply to them",
+            f"stock Keras computes them all in half precision; {change}",
+            fix.format(name=name) + ", then rebuild it"))
     return findings
 
 

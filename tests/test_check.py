@@ -86,11 +86,18 @@ def test_stock_mixed_policy_is_reported_with_what_kerasmp_changes():
                                            name="probs"))
     report = kerasmp.check(model)
     stock = _finding(report, "stock_policy")
-    assert stock[0].severity == "warning"
-    assert "keras.DTypePolicy('mixed_float16')" in stock[0].message
-    assert "2 of this model's layers in float32 (rms, probs" in stock[0].why
-    assert "LossScaleOptimizer" in stock[0].why
+    assert [f.severity for f in stock] == ["warning", "warning"]
+    assert "the global policy is a stock keras.DTypePolicy('mixed_float16')"\
+        in stock[0].message
+    assert "3 layer(s) of this model" in stock[1].message
+    assert "kerasmp would compute 2 of them in float32 (rms, probs)" in (
+        stock[1].why)
+    assert "LossScaleOptimizer" in stock[1].why
     assert "kerasmp.set_global_policy('mixed_float16')" in stock[0].fix
+    # A kerasmp model while the stock policy is global: only the global.
+    with kerasmp.policy_scope("mixed_float16"):
+        model = _functional(keras.layers.Dense(16))
+    assert len(_finding(kerasmp.check(model), "stock_policy")) == 1
     halves = {f.path for f in _finding(report, "half_precision_normalization")}
     assert halves == {"rms", "probs"}
     assert not report.has_errors
