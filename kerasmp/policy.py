@@ -487,10 +487,12 @@ class Policy(keras.DTypePolicy):
         return cls(float32_layers=parsed, **config)
 
     def __eq__(self, other):
+        # The rules themselves, not `get_config()`: a lambda predicate
+        # cannot be saved, but its policy can still be compared.
         return (
             isinstance(other, Policy)
             and self.name == other.name
-            and self.get_config() == other.get_config()
+            and self._rules == other._rules
         )
 
     def __hash__(self):

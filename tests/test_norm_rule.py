@@ -267,9 +267,18 @@ def test_bad_rules_are_refused_at_construction():
                        float32_exclude=[NORMALIZATION_BY_NAME])
     with pytest.raises(ValueError, match="float32_exclude"):
         kerasmp.Policy("mixed_float16", float32_exclude=["(unclosed"])
-    lam = kerasmp.Policy("mixed_float16", [lambda layer: False])
+    lam = kerasmp.Policy("mixed_float16",
+                         [lambda layer: layer.name == "picked"])
     with pytest.raises(ValueError, match="cannot be saved.*module level"):
         lam.get_config()
+    # Until it is saved, a lambda works: in a model, in the report.
+    kerasmp.set_global_policy(lam)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="picked")(inputs))
+    row = kerasmp.dtype_report(model)["picked"]
+    assert (row.compute_dtype, row.reason) == (
+        "float32", "kerasmp override: user rule (predicate "
+        "test_bad_rules_are_refused_at_construction.<locals>.<lambda>)")
 
 
 def test_hazard_rule_applies_to_float16_only():
