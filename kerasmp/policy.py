@@ -492,7 +492,7 @@ class Policy(keras.DTypePolicy):
         return (
             isinstance(other, Policy)
             and self.name == other.name
-            and self._rules == other._rules
+            and self.float32_layers == other.float32_layers
         )
 
     def __hash__(self):
