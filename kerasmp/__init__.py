@@ -27,6 +27,8 @@ __version__ = "0.1.0"
 # Public name -> (module, attribute or None for the module itself).
 _LAZY = {
     "callbacks": ("kerasmp.callbacks", None),
+    "CheckReport": ("kerasmp.checks", "CheckReport"),
+    "check": ("kerasmp.checks", "check"),
     "debug": ("kerasmp.debug", None),
     "export": ("kerasmp.export", None),
     "NonFiniteError": ("kerasmp.errors", "NonFiniteError"),
@@ -48,6 +50,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "CheckReport",
     "DEFAULT_FLOAT32_LAYERS",
     "DTypeReport",
     "Float32Override",
@@ -56,6 +59,7 @@ __all__ = [
     "NonFiniteWarning",
     "Policy",
     "callbacks",
+    "check",
     "debug",
     "doctor",
     "export",

@@ -20,7 +20,9 @@ from keras import ops
 from kerasmp import _keras_internals as _ki
 from kerasmp import _nonfinite
 from kerasmp import _train_step
+from kerasmp import policy as _policy
 from kerasmp.debug import find_nonfinite
+from kerasmp.report import FALLBACK_RULE
 
 # ----------------------------------------------------------------- locating
 
@@ -137,7 +139,7 @@ def fall_back(event, report, state, rules):
             f"layer {path!r} already computes in float32", state=state
         )
     for t in targets:
-        t.dtype_policy = "float32"
+        t.dtype_policy = _fallback_policy(t)
     reset_to = None
     if rules.scaled and rules.dynamic:
         start_scale = state.run.start_scale if state.run else None
@@ -145,6 +147,17 @@ def fall_back(event, report, state, rules):
     return Fallback(
         layer=path, reset_to=reset_to, state=_nonfinite.forget_run(state)
     )
+
+
+def _fallback_policy(layer):
+    """float32 for `layer`, marked as the fallback's when a kerasmp policy
+    governed it (so `dtype_report` says why the layer is float32)."""
+    stored = _ki.stored_dtype_policy(layer)
+    if isinstance(stored, _policy.Float32Override):
+        stored = stored.policy
+    if isinstance(stored, _policy.Policy):
+        return _policy.Float32Override(stored, FALLBACK_RULE)
+    return "float32"
 
 
 def reset_loss_scale(optimizer, value):

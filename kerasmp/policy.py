@@ -30,6 +30,7 @@ import threading
 import keras
 
 from kerasmp import _keras_internals as _ki
+from kerasmp import _norm_rule
 from kerasmp._namematch import NameMatcher
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
@@ -38,22 +39,28 @@ _SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
 
 
 def _normalization_layers():
-    names = (
-        "BatchNormalization",
-        "LayerNormalization",
-        "GroupNormalization",
-        "UnitNormalization",
-        "RMSNormalization",
-        "Normalization",
-    )
-    return tuple(
-        getattr(keras.layers, n) for n in names if hasattr(keras.layers, n)
-    )
+    return _norm_rule.KERAS_NORMALIZATION_CLASSES
 
 
-DEFAULT_FLOAT32_LAYERS = (keras.layers.Softmax,) + _normalization_layers()
+NORMALIZATION_BY_NAME = _norm_rule.NORMALIZATION_BY_NAME
+"""The structural name rule for normalizations Keras does not define
+(`T5LayerNorm`, `MistralLayerNormalization`, a user's `RMSNorm`, ...): a
+layer whose class name ends in "Norm" or "Normalization" and that holds no
+compute-heavy sublayer or kernel (see docs/policies.md)."""
+
+KNOWN_FLOAT16_HAZARDS = _norm_rule.FLOAT16_HAZARDS
+"""Classes that compute NaN/inf in float16 only (keras-hub's
+`T5MultiHeadAttention` and its `-1e9` mask bias), kept in float32 under
+float16 policies; their Dense sublayers stay float16."""
+
+DEFAULT_FLOAT32_LAYERS = (
+    (keras.layers.Softmax,) + _normalization_layers()
+    + (NORMALIZATION_BY_NAME, KNOWN_FLOAT16_HAZARDS)
+)
 """Layers a `Policy` computes in float32 unless told otherwise.
 
+Softmax, every Keras normalization layer, `NORMALIZATION_BY_NAME` (the
+normalizations of model libraries and users) and `KNOWN_FLOAT16_HAZARDS`.
 `keras.layers.Softmax` in the list also covers every layer whose `activation`
 is softmax or log_softmax (`Activation("softmax")`,
 `Dense(n, activation="softmax")`): their output is a softmax, and a float16
@@ -61,19 +68,27 @@ softmax over more than ~65k classes overflows its denominator and returns
 zeros without any NaN to warn you.
 """
 
+_KERAS_DEFAULT_CLASSES = (keras.layers.Softmax,) + _normalization_layers()
+
 
 def parse_rule(rule, argname="float32_layers"):
-    """Returns a float32 rule as a layer class or a compiled regex.
+    """Returns a float32 rule as a layer class, a compiled regex, a
+    predicate or a built-in rule.
 
     Args:
-        rule: A `keras.layers.Layer` subclass, a compiled regex, or a string
-            (a regular expression matched against the whole layer name).
+        rule: A `keras.layers.Layer` subclass, a compiled regex, a string
+            (a regular expression matched against the whole layer name), a
+            function of the layer returning True for a match (a predicate),
+            or one of kerasmp's built-in rules (`NORMALIZATION_BY_NAME`,
+            `KNOWN_FLOAT16_HAZARDS`).
         argname: The argument the rule came from, for error messages.
 
     Raises:
         ValueError: `rule` is a string that is not a valid regex.
         TypeError: `rule` is anything else.
     """
+    if isinstance(rule, (_norm_rule.BuiltinRule, _norm_rule.Exclude)):
+        return rule
     if isinstance(rule, type) and issubclass(rule, keras.layers.Layer):
         return rule
     if isinstance(rule, (str, re.Pattern)):
@@ -89,11 +104,93 @@ def parse_rule(rule, argname="float32_layers"):
                 "(literals, classes, groups, |, * + ? {m,n}, ^ $) matched "
                 "against the whole layer name."
             ) from None
+    if callable(rule) and not isinstance(rule, type):
+        return rule
     raise TypeError(
         f"Invalid `{argname}` entry: expected a keras.layers.Layer "
-        "subclass or a regular expression (str) matched against the layer "
-        f"name. Received: {rule!r} (of type {type(rule).__name__})"
+        "subclass, a regular expression (str) matched against the layer "
+        "name, a predicate (a function of the layer returning True or "
+        "False) or a kerasmp built-in rule (kerasmp.policy."
+        "NORMALIZATION_BY_NAME, KNOWN_FLOAT16_HAZARDS). Received: "
+        f"{rule!r} (of type {type(rule).__name__})"
     )
+
+
+def _rule_name(rule):
+    if isinstance(rule, type):
+        return rule.__name__
+    if isinstance(rule, re.Pattern):
+        return f"name~{rule.pattern!r}"
+    return f"predicate {getattr(rule, '__qualname__', repr(rule))}"
+
+
+def _function_to_config(fn, argname):
+    registered = keras.saving.get_registered_name(fn)
+    if registered != getattr(fn, "__name__", None):
+        return {"registered_name": registered}
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    if not module or not qualname or "<" in qualname:
+        raise ValueError(
+            f"The `{argname}` predicate {fn!r} cannot be saved: define it "
+            "as a function at module level (or register it with "
+            "keras.saving.register_keras_serializable) so that a saved "
+            "policy can name it."
+        )
+    return {"module": module, "function": qualname}
+
+
+def _function_from_config(config):
+    """Finds a saved predicate without importing anything (like classes)."""
+    if "registered_name" in config:
+        fn = keras.saving.get_registered_object(config["registered_name"])
+        name = config["registered_name"]
+    else:
+        fn = sys.modules.get(str(config.get("module")))
+        for part in str(config.get("function", "")).split("."):
+            fn = getattr(fn, part, None)
+        name = config.get("function")
+    if not callable(fn) or isinstance(fn, type):
+        raise ValueError(
+            f"Unknown predicate {name!r} in `float32_layers`: kerasmp does "
+            "not import modules named by a file. Import the module that "
+            "defines it before loading."
+        )
+    return fn
+
+
+def _rule_to_config(rule):
+    if isinstance(rule, _norm_rule.Exclude):
+        return {"exclude": _rule_to_config(rule.rule)}
+    if isinstance(rule, _norm_rule.BuiltinRule):
+        return {"builtin": rule.key}
+    if isinstance(rule, re.Pattern):
+        return {"pattern": rule.pattern}
+    if isinstance(rule, type):
+        return _class_to_config(rule)
+    return {"predicate": _function_to_config(rule, "float32_layers")}
+
+
+def _rule_from_config(config):
+    if not isinstance(config, dict):
+        raise ValueError(f"Invalid `float32_layers` entry: {config!r:.200}")
+    if "exclude" in config:
+        return _norm_rule.Exclude(parse_rule(_rule_from_config(
+            config["exclude"])))
+    if "builtin" in config:
+        rule = _norm_rule.BUILTIN_RULES.get(config["builtin"])
+        if rule is None:
+            raise ValueError(
+                f"Unknown built-in rule {config['builtin']!r} in "
+                f"`float32_layers`; this kerasmp knows "
+                f"{sorted(_norm_rule.BUILTIN_RULES)}."
+            )
+        return rule
+    if "pattern" in config:
+        return config["pattern"]
+    if "predicate" in config:
+        return _function_from_config(config["predicate"])
+    return _class_from_config(config)
 
 
 def _activation_name(layer):
@@ -193,13 +290,25 @@ class Policy(keras.DTypePolicy):
         name: The policy name, any name `keras.DTypePolicy` accepts for a
             floating-point policy: `"mixed_float16"`, `"mixed_bfloat16"`,
             `"float16"`, `"bfloat16"`, `"float32"` or `"float64"`.
-        float32_layers: A sequence of `keras.layers.Layer` subclasses and/or
-            regular expressions. A layer matches when it is an instance of
-            one of the classes, or when a regular expression matches its whole
-            `name` (`re.fullmatch`). `keras.layers.Softmax` also matches
-            layers whose `activation` is softmax or log_softmax. Defaults to
-            `DEFAULT_FLOAT32_LAYERS` (softmax and every Keras normalization
-            layer). Pass `()` for no overrides.
+        float32_layers: A sequence of rules: `keras.layers.Layer`
+            subclasses, regular expressions, predicates and kerasmp's
+            built-in rules. A layer matches when it is an instance of one of
+            the classes, when a regular expression matches its whole `name`
+            (`re.fullmatch`), when a predicate (a module-level function of
+            the layer, called once the layer is constructed) returns True,
+            or when a built-in rule matches it. `keras.layers.Softmax` also
+            matches layers whose `activation` is softmax or log_softmax.
+            Defaults to `DEFAULT_FLOAT32_LAYERS`: softmax, every Keras
+            normalization layer, `NORMALIZATION_BY_NAME` (normalizations
+            that model libraries and users define, such as keras-hub's
+            `T5LayerNorm` or a `class RMSNorm(keras.layers.Layer)`) and
+            `KNOWN_FLOAT16_HAZARDS`. Add to it with
+            `[*kerasmp.DEFAULT_FLOAT32_LAYERS, MyLayer]`; pass `()` for no
+            overrides.
+        float32_exclude: A sequence of layer classes, regular expressions
+            and predicates (as in `float32_layers`): a layer they match is
+            never put in float32 by `float32_layers`, whatever rule would
+            match it. Defaults to `()`.
 
     Example:
 
@@ -209,11 +318,16 @@ class Policy(keras.DTypePolicy):
     'float16'
     >>> keras.layers.Softmax().compute_dtype
     'float32'
+    >>> class RMSNorm(keras.layers.Layer):
+    ...     def call(self, x):
+    ...         return x * keras.ops.rsqrt(keras.ops.mean(x * x, -1, True))
+    >>> RMSNorm().compute_dtype  # normalization by name
+    'float32'
     >>> kerasmp.set_global_policy("float32")
     """
 
     def __init__(self, name="mixed_float16",
-                 float32_layers=DEFAULT_FLOAT32_LAYERS):
+                 float32_layers=DEFAULT_FLOAT32_LAYERS, float32_exclude=()):
         if not isinstance(name, str) or name not in _FLOAT_NAMES:
             raise ValueError(
                 f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
@@ -232,12 +346,25 @@ class Policy(keras.DTypePolicy):
                 "`float32_layers` must be a sequence of layer classes and/or "
                 f"regular expressions. Received: {float32_layers!r}"
             ) from None
+        excludes = _rule_sequence(float32_exclude, "float32_exclude")
+        for entry in excludes:
+            if isinstance(entry, (_norm_rule.BuiltinRule,
+                                  _norm_rule.Exclude)):
+                raise TypeError(
+                    "Invalid `float32_exclude` entry: expected a layer "
+                    "class, a regular expression or a predicate. To drop a "
+                    "built-in rule, leave it out of `float32_layers`. "
+                    f"Received: {entry!r}"
+                )
         install()
         super().__init__(name)
-        self._rules = tuple(parse_rule(r) for r in rules)
+        self._rules = tuple(
+            _norm_rule.Exclude(parse_rule(r, "float32_exclude"))
+            for r in excludes
+        ) + tuple(parse_rule(r) for r in rules)
         self._matchers = {
             r.pattern: NameMatcher(r.pattern)
-            for r in self._rules
+            for r in (getattr(r, "rule", r) for r in self._rules)
             if isinstance(r, re.Pattern)
         }
         self._overrides = {}  # rule description -> Float32Override
@@ -247,7 +374,10 @@ class Policy(keras.DTypePolicy):
 
     @property
     def float32_layers(self):
-        """The override rules: layer classes and compiled regexes."""
+        """The rules: layer classes, compiled regexes, predicates and
+        built-in rules, after the `float32_exclude` entries (each wrapped
+        so that `Policy(name, float32_layers=p.float32_layers)` excludes
+        the same layers)."""
         return self._rules
 
     @property
@@ -262,8 +392,13 @@ class Policy(keras.DTypePolicy):
             layer: A `keras.layers.Layer`.
 
         Returns:
-            A short description of the matching rule, e.g. `"Softmax"`,
-            `"activation=softmax"` or `"name~'head.*'"`, or None.
+            A short description of the matching rule: what kind of rule
+            matched, then its detail: `"Keras class (LayerNormalization)"`,
+            `"Keras class (Softmax: activation=softmax)"`,
+            `"normalization by name (T5LayerNorm)"`,
+            `"known float16 hazard (T5MultiHeadAttention)"`,
+            `"user rule (name~'head.*')"`, `"user rule (MyBlock)"` or
+            `"user rule (predicate is_norm)"`; or None.
         """
         activation = _activation_name(layer)
         key = (type(layer), layer.name, activation)
@@ -271,23 +406,53 @@ class Policy(keras.DTypePolicy):
             return self._decisions[key]
         except KeyError:
             pass
-        decision = self._match(layer, activation)
-        self._decisions[key] = decision
+        decision, final = self._match(layer, activation)
+        if final:
+            self._decisions[key] = decision
         return decision
 
+    def _matches(self, rule, layer, activation):
+        """(detail or None, final): final is False while a rule cannot
+        judge the layer yet (its `__init__` is running)."""
+        if isinstance(rule, re.Pattern):
+            if self._matchers[rule.pattern].fullmatch(layer.name or ""):
+                return f"name~{rule.pattern!r}", True
+            return None, True
+        if isinstance(rule, type):
+            if isinstance(layer, rule):
+                return rule.__name__, True
+            if (rule is keras.layers.Softmax
+                    and activation in _SOFTMAX_ACTIVATIONS):
+                return f"Softmax: activation={activation}", True
+            return None, True
+        if isinstance(rule, _norm_rule.BuiltinRule):
+            if rule.float16_only and self.compute_dtype != "float16":
+                return None, True
+            detail = rule.match(layer)
+            if detail is _norm_rule.UNDECIDED:
+                return None, False
+            return detail, True
+        if _norm_rule.in_construction(layer):
+            return None, False
+        return (_rule_name(rule) if rule(layer) else None), True
+
     def _match(self, layer, activation):
+        final = True
         for rule in self._rules:
-            if isinstance(rule, re.Pattern):
-                if self._matchers[rule.pattern].fullmatch(layer.name or ""):
-                    return f"name~{rule.pattern!r}"
-            elif isinstance(layer, rule):
-                return rule.__name__
-            elif (
-                rule is keras.layers.Softmax
-                and activation in _SOFTMAX_ACTIVATIONS
-            ):
-                return f"activation={activation}"
-        return None
+            exclude = isinstance(rule, _norm_rule.Exclude)
+            detail, decided = self._matches(
+                rule.rule if exclude else rule, layer, activation)
+            final = final and decided
+            if detail is None:
+                continue
+            if exclude:
+                return None, final
+            if isinstance(rule, _norm_rule.BuiltinRule):
+                return f"{rule.kind} ({detail})", final
+            if rule in _KERAS_DEFAULT_CLASSES:
+                return f"Keras class ({detail})", final
+            return f"user rule ({detail})", final
+        return None, final
 
     def policy_for(self, layer):
         """Returns the policy `layer` actually computes with.
@@ -310,12 +475,7 @@ class Policy(keras.DTypePolicy):
         return self._overrides[rule]
 
     def get_config(self):
-        rules = []
-        for rule in self._rules:
-            if isinstance(rule, re.Pattern):
-                rules.append({"pattern": rule.pattern})
-            else:
-                rules.append(_class_to_config(rule))
+        rules = [_rule_to_config(rule) for rule in self._rules]
         return {"name": self.name, "float32_layers": rules}
 
     @classmethod
@@ -324,17 +484,19 @@ class Policy(keras.DTypePolicy):
         rules = config.pop("float32_layers", None)
         if rules is None:
             return cls(**config)
-        parsed = [
-            r["pattern"] if "pattern" in r else _class_from_config(r)
-            for r in rules
-        ]
+        if not isinstance(rules, (list, tuple)):
+            raise ValueError(
+                f"Invalid `float32_layers` in a saved policy: {rules!r:.200}")
+        parsed = [_rule_from_config(r) for r in rules]
         return cls(float32_layers=parsed, **config)
 
     def __eq__(self, other):
+        # The rules themselves, not `get_config()`: a lambda predicate
+        # cannot be saved, but its policy can still be compared.
         return (
             isinstance(other, Policy)
             and self.name == other.name
-            and self.get_config() == other.get_config()
+            and self.float32_layers == other.float32_layers
         )
 
     def __hash__(self):
@@ -343,6 +505,23 @@ class Policy(keras.DTypePolicy):
     def __repr__(self):
         n = len(self._rules)
         return f'<kerasmp.Policy "{self.name}", {n} float32 rules>'
+
+
+def _rule_sequence(value, argname):
+    if isinstance(value, (str, type, re.Pattern)) or (
+            callable(value) and not isinstance(value, (list, tuple))):
+        raise TypeError(
+            f"`{argname}` must be a sequence (list or tuple) of layer "
+            "classes, regular expressions and/or predicates, not a single "
+            f"entry. Received: {value!r}"
+        )
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"`{argname}` must be a sequence of layer classes, regular "
+            f"expressions and/or predicates. Received: {value!r}"
+        ) from None
 
 
 def _as_policy(policy_or_name, argname="policy"):

@@ -68,17 +68,25 @@ class DTypeReport:
     __repr__ = __str__
 
 
+FALLBACK_RULE = "NonFiniteMonitor fallback"
+"""The `Float32Override.rule` of a layer `NonFiniteMonitor(action="fallback")`
+moved to float32."""
+
+
 def _reason(layer, global_policy):
     resolved = layer.dtype_policy
     if isinstance(resolved, _policy.Float32Override):
-        return f"kerasmp override ({resolved.rule})"
+        if resolved.rule == FALLBACK_RULE:
+            return "float32 by NonFiniteMonitor fallback"
+        return f"kerasmp override: {resolved.rule}"
     stored = _policy.stored_policy(layer)
-    if isinstance(stored, _policy.Policy):
-        if stored == global_policy:
-            return "global policy"
-        return f"kerasmp policy {stored.name} (saved or inherited)"
     if stored == global_policy:
         return "global policy"
+    if isinstance(stored, _policy.Policy):
+        # Built under another global policy (`policy_scope`), handed its
+        # parent's policy, or loaded from a file: the policy is kerasmp's,
+        # whoever set it.
+        return f"kerasmp policy {stored.name} (not the global policy now)"
     return "explicit dtype"
 
 
@@ -93,8 +101,14 @@ def dtype_report(model):
 
     Returns:
         A `DTypeReport`: one `DTypeRow` per layer with `path`, `layer_class`,
-        `compute_dtype`, `variable_dtype` and `reason` ("global policy",
-        "kerasmp override (<rule>)" or "explicit dtype"). `print()` it for a
+        `compute_dtype`, `variable_dtype` and `reason`: "global policy";
+        "kerasmp override: <rule>" where the rule says which kind matched
+        ("Keras class (LayerNormalization)", "normalization by name
+        (T5LayerNorm)", "known float16 hazard (T5MultiHeadAttention)",
+        "user rule (name~'head')"); "float32 by NonFiniteMonitor fallback";
+        "kerasmp policy <name> (not the global policy now)" for a layer
+        built under another kerasmp policy (`policy_scope`, a parent's
+        policy, a loaded file); or "explicit dtype". `print()` it for a
         table.
 
     Example:

@@ -363,8 +363,9 @@ def test_dtype_report_rows_and_reasons():
     assert (rows["hidden"].compute_dtype, rows["hidden"].variable_dtype,
             rows["hidden"].reason) == ("float16", "float32", "global policy")
     assert rows["pinned"].reason == "explicit dtype"
-    assert rows["norm"].reason == "kerasmp override (LayerNormalization)"
-    assert rows["probs"].reason == "kerasmp override (Softmax)"
+    assert rows["norm"].reason == (
+        "kerasmp override: Keras class (LayerNormalization)")
+    assert rows["probs"].reason == "kerasmp override: Keras class (Softmax)"
     text = str(report)
     assert re.search(r"hidden\s+Dense\s+float16\s+float32\s+global policy",
                      text)

@@ -1,4 +1,4 @@
-"""The `kerasmp` command: doctor, inspect, demo, export, bench.
+"""The `kerasmp` command: doctor, inspect, check, demo, export, bench.
 
 Start-up is cheap: this module imports only the standard library, so
 `kerasmp --help`, every sub-command's `--help` and every argument error
@@ -21,7 +21,7 @@ the modules the file names and runs its code: only for files you trust).
 The README's "Command line" section is generated from this parser
 (`markdown_reference()`; `tests/test_cli.py` checks they agree).
 
-Length: one argparse parser for five sub-commands, their argument checks
+Length: one argparse parser for six sub-commands, their argument checks
 and the generated README reference; kept in one module because it must
 import only the standard library (the sub-commands' code lives in
 `kerasmp/doctor.py`, `kerasmp/export.py`, and `demo.py` and `bench.py`
@@ -438,6 +438,23 @@ def _inspect(args):
     return 0
 
 
+def _check_check(args):
+    args._modules = _check_model_file(args.model, args.unsafe)
+    args._sample = _load_sample(args.sample) if args.sample else None
+
+
+def _check(args):
+    model = _load_model(args, args.model, args._modules)
+    from kerasmp.checks import check
+
+    report = check(model, x=args._sample, gpu=True if args.gpu else None)
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report)
+    return 1 if report.has_errors else 0
+
+
 def _check_demo(args):
     out = args.out
     if not out:
@@ -703,6 +720,33 @@ def build_parser():
     _unsafe(p)
     _common(p, suppress)
     p.set_defaults(func=_inspect, check=_check_inspect)
+
+    p = sub.add_parser(
+        "check", help="list the precision hazards of a saved .keras model "
+        "before training",
+        description="List the precision hazards of a saved .keras model "
+        "(severity, layer, why, fix): normalizations, softmax, exp or log "
+        "in float16, epsilons float16 cannot hold, half-precision "
+        "variables and optimizer slots, weights beyond float16, inf/NaN "
+        "from a float16 layer on a sample batch, half-precision outputs, a "
+        "stock mixed policy; GPU tensor-core sizes with --gpu or when a GPU "
+        "is visible. Exits 0 when no finding is an error, 1 otherwise (for "
+        "CI). The file is loaded in Keras's safe mode; a file that would "
+        "run code is refused.")
+    p.add_argument("model", metavar="MODEL", help="a .keras model file")
+    p.add_argument("--sample", metavar="FILE",
+                   help="the sample batch of the traced checks: .npy (one "
+                   "input) or .npz (keyed by input name, or arr_0, arr_1, "
+                   "... in input order); default: zeros, ones for masks, "
+                   "normal draws for floats")
+    p.add_argument("--gpu", action="store_true",
+                   help="include GPU advice (tensor-core sizes, severity "
+                   "info) even when no GPU is visible")
+    p.add_argument("--json", action="store_true",
+                   help="print the findings as JSON")
+    _unsafe(p)
+    _common(p, suppress)
+    p.set_defaults(func=_check, check=_check_check)
 
     p = sub.add_parser(
         "demo", help="train a small CNN on 8x8 digits in float32 and in "
