@@ -196,8 +196,10 @@ def _layer_call(self, *args, **kwargs):
 
 def _compile(self, *args, **kwargs):
     from kerasmp import _skip_guard
+    from kerasmp import _stock_policy
 
     original = _originals["compile"]
+    _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
     if not _governed_layers(self):
         result = original(self, *args, **kwargs)
         _skip_guard.guard_skipped_steps(self)  # kerasmp's optimizer, if given
