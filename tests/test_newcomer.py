@@ -167,3 +167,47 @@ def test_demo_refuses_a_missing_parent_folder(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         run_demo(out=out, quick=True, verbose=False)
     assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.tensorflow  # runs a JAX subprocess; once is enough
+def test_no_tensorflow_start_up_lines_on_jax(tmp_path):
+    """On JAX, Keras still imports TensorFlow when it is installed
+    (`set_random_seed`, saving); its C++ start-up lines (oneDNN, cuInit)
+    must stay out of `kerasmp export` as they do on TensorFlow."""
+    import subprocess
+    import sys
+
+    from _helpers import ROOT
+    from _helpers import subprocess_env
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.save(tmp_path / "m.keras")
+    env = subprocess_env("jax")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as a user's shell has it
+    proc = subprocess.run(
+        [sys.executable, "-m", "kerasmp", "export", str(tmp_path / "m.keras"),
+         str(tmp_path / "h.keras"), "--format", "keras"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "kerasmp export report" in proc.stdout
+    for noise in ("I0000", "E0000", "W0000", "oneDNN", "InitializeLog",
+                  "cuInit"):
+        assert noise not in proc.stderr, proc.stderr
+
+
+def test_pyproject_spdx_license_and_jax_extra():
+    """setuptools deprecates a `license` table (builds stop on 2027-02-18);
+    JAX users get an extra, and the README says how to install it."""
+    tomllib = pytest.importorskip("tomllib")
+    from _helpers import ROOT
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert isinstance(project["project"]["license"], str)
+    assert any(r.startswith("setuptools>=77")
+               for r in project["build-system"]["requires"])
+    jax = project["project"]["optional-dependencies"]["jax"]
+    assert any(r.split(">")[0].split("[")[0] == "jax" for r in jax)
+    readme = (ROOT / "README.md").read_text()
+    assert 'pip install "kerasmp[jax]"' in readme
+    assert "KERAS_BACKEND=jax kerasmp demo" in readme

@@ -366,11 +366,23 @@ def _import_keras(args):
     with _stderr_silenced(quiet and "keras" not in sys.modules):
         import keras
 
-        if quiet and keras.backend.backend() == "tensorflow":
+        backend = keras.backend.backend()
+        if quiet and (backend == "tensorflow" or _imports_tensorflow(args)):
             import tensorflow as tf
 
             tf.get_logger().setLevel("ERROR")
     return keras
+
+
+def _imports_tensorflow(args):
+    """Whether a command on another backend will import TensorFlow anyway:
+    Keras's `set_random_seed` and its saving code import it when it is
+    installed. Importing it here, with stderr silenced, keeps its start-up
+    lines (oneDNN, cuInit) out of `demo`, `export` and `bench` on JAX."""
+    import importlib.util
+
+    return (getattr(args, "command", None) in ("demo", "export", "bench")
+            and importlib.util.find_spec("tensorflow") is not None)
 
 
 def _load_model(args, path, modules):
