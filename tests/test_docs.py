@@ -289,3 +289,20 @@ def test_jax_custom_loop_writes_back_batch_norm_statistics(doc_env):
     # The optimizer state came back too: the scale and its step counter.
     optimizer = namespace["optimizer"]
     assert int(keras.ops.convert_to_numpy(optimizer.step_counter)) == 66
+
+
+@pytest.mark.tensorflow  # the README's snippet exports a SavedModel
+def test_readme_snippet_reruns_in_the_same_folder(doc_env):
+    """Rerunning the README's quickstart and training snippet (same folder,
+    'served' already there) must not lose the training to a
+    FileExistsError."""
+    readme = [c for c in chains() if c[0].path.name == "README.md"]
+    chain = next(c for c in readme if c[0].markers.get("name") == "quickstart")
+    assert len(chain) == 2  # the quickstart and its continuation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            namespace = {"__name__": "__docs__"}
+            for block in chain:
+                run_block(block, namespace)
+    assert (doc_env / "served" / "saved_model.pb").exists()
