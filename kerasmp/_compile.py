@@ -32,6 +32,7 @@ import inspect
 import keras
 
 from kerasmp import _keras_internals as _ki
+from kerasmp import _stock_policy
 from kerasmp import _train_step
 from kerasmp import policy as _policy
 from kerasmp.distributed import check_workers_agree
@@ -71,6 +72,7 @@ def needs_loss_scaling(model):
 
 def _compile(self, *args, **kwargs):
     original = _originals["compile"]
+    _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
     if not _governed_layers(self):
         result = original(self, *args, **kwargs)
         _train_step.install(self)

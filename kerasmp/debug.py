@@ -278,6 +278,18 @@ def _stats(arrays):
     return dtype, max_abs, headroom, True
 
 
+def _current_loss_scale(optimizer):
+    """The scale `optimizer` would multiply the next step's loss by: its
+    `dynamic_scale`, or before the first step (not built yet) its
+    `initial_scale`; 1 for an optimizer without loss scaling."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if not optimizer.built:
+            return float(optimizer.initial_scale)
+        return float(ops.convert_to_numpy(optimizer.dynamic_scale))
+    scale_var = getattr(optimizer, "dynamic_scale", None)
+    return 1.0 if scale_var is None else float(ops.convert_to_numpy(scale_var))
+
+
 def find_nonfinite(
     model,
     x,
@@ -305,7 +317,8 @@ def find_nonfinite(
         loss: loss to use instead of the model's compiled loss.
         loss_scale: factor applied to the loss before differentiating, as in
             loss-scaled training. None: the current scale of the model's
-            optimizer if it has one (`dynamic_scale`), else 1.
+            optimizer if it has one (`dynamic_scale`; before the first
+            step, its `initial_scale`), else 1.
         training: the `training` flag the layers are called with (True
             reproduces a training step: dropout, batch statistics).
 
@@ -325,12 +338,7 @@ def find_nonfinite(
             f"find_nonfinite: `model` must be a keras.Model; received {model!r}"
         )
     if loss_scale is None:
-        scale_var = getattr(
-            getattr(model, "optimizer", None), "dynamic_scale", None
-        )
-        loss_scale = (
-            1.0 if scale_var is None else float(ops.convert_to_numpy(scale_var))
-        )
+        loss_scale = _current_loss_scale(getattr(model, "optimizer", None))
     elif (
         isinstance(loss_scale, bool)
         or not isinstance(loss_scale, numbers.Real)

@@ -86,35 +86,92 @@ def _tensor_cores(dev):
     return "no tensor cores"
 
 
-def recommend(devices, backend="tensorflow"):
+# A mixed policy is recommended on measurements only when it is at least
+# this much faster than float32 on every model the benchmark ran.
+MEASURED_MARGIN = 1.05
+
+
+def from_bench(bench):
+    """`(policy, reason)` from a `kerasmp bench` result, or None.
+
+    The recommendation is the policy with the highest smallest speed-up over
+    float32 across the benchmark's models, if that is at least
+    `MEASURED_MARGIN`; else float32. None when the result has no float32
+    baseline.
+
+    Args:
+        bench: The dict `kerasmp.apps.bench.run_bench` returns (or its
+            `--json` file, loaded).
+    """
+    rows = bench.get("rows") or []
+    if bench.get("baseline") != "float32":
+        return None
+    by_policy = {}
+    for row in rows:
+        ratio = row.get("speedup_vs_baseline")
+        if row.get("policy") != "float32" and ratio is not None:
+            by_policy.setdefault(row["policy"], {})[row["model"]] = ratio
+    if not by_policy:
+        return None
+
+    def speeds(policy):
+        return ", ".join(f"{m} x{r:.2f}"
+                         for m, r in sorted(by_policy[policy].items()))
+
+    best = max(by_policy, key=lambda p: min(by_policy[p].values()))
+    measured = "; ".join(f"{p}: {speeds(p)}" for p in sorted(by_policy))
+    device = bench.get("device") or "this device"
+    source = f"measured by kerasmp bench on {device}"
+    if min(by_policy[best].values()) >= MEASURED_MARGIN:
+        return best, (f"{source}, steps/s vs float32: {measured}. {best} "
+                      "was the fastest on every model.")
+    return "float32", (f"{source}, steps/s vs float32: {measured}. No mixed "
+                       f"policy was at least {MEASURED_MARGIN:g}x faster on "
+                       "every model.")
+
+
+def recommend(devices, backend="tensorflow", bench=None):
     """Returns `(policy_name, reason, warnings)` for the given devices.
+
+    Without `bench`, the advice rests on the devices alone (and says so);
+    with a `kerasmp bench` result it rests on those measurements.
 
     Args:
         devices: `Device`s, as `doctor()` finds them.
         backend: The Keras backend the advice is for.
+        bench: Optional `kerasmp bench` result (dict) measured here.
     """
     warnings = []
     accel = [d for d in devices if d.kind in ("gpu", "tpu")]
+    measured = from_bench(bench) if bench else None
     if not accel:
+        if measured is not None:
+            return measured[0], measured[1], warnings
+        reason = ("CPU only, nothing measured here: float32 is the safe "
+                  "default, as mixed precision is usually slower than "
+                  "float32 on a CPU (most CPU kernels convert "
+                  "float16/bfloat16 to float32 and back).")
         if backend == "tensorflow" and any(
             d.bf16_instructions for d in devices
         ):
-            warnings.append(
-                "this CPU has bfloat16 instructions (AVX512_BF16/AMX) that "
-                "TensorFlow's oneDNN kernels use: mixed_bfloat16 can train "
-                "faster than float32 here (measured 1.4-1.5x for a CNN and a "
-                "transformer, 0.94x for an MLP, on a 2-core AMD EPYC; see "
-                "docs/benchmarks.md). Run `kerasmp bench` to measure your "
-                "model; float16 stays slower on a CPU."
+            reason += (
+                " This CPU has bfloat16 instructions (AVX512_BF16/AMX) that "
+                "TensorFlow's oneDNN kernels use, where mixed_bfloat16 has "
+                "trained faster than float32: 1.4-1.5x for a CNN and a "
+                "transformer, 0.94x for an MLP, on another machine "
+                "(docs/benchmarks.md). To decide on this machine's numbers: "
+                "`kerasmp bench --quick --json bench.json`, then `kerasmp "
+                "doctor --bench bench.json`."
             )
+        else:
+            reason += " `kerasmp bench` measures it here."
         warnings.append(
-            "no GPU or TPU: mixed precision is usually slower than float32 on "
-            "a CPU (most CPU kernels convert float16/bfloat16 to float32 and "
-            "back, so the casts are extra work); `kerasmp bench` measures it "
-            "here. Use it on a CPU to test code you will run on a GPU."
+            "no GPU or TPU: use mixed precision on a CPU to test code you "
+            "will run on a GPU; float16 stays slower on a CPU."
         )
-        return ("float32", "CPU only: float32 is the fastest policy here.",
-                warnings)
+        return ("float32", reason, warnings)
+    if measured is not None:
+        return measured[0], measured[1], warnings
     dev = accel[0]
     if dev.kind == "tpu":
         return ("mixed_bfloat16", "TPU matrix units run bfloat16 natively; "
@@ -141,8 +198,13 @@ def recommend(devices, backend="tensorflow"):
             warnings)
 
 
-def doctor():
+def doctor(bench=None):
     """Collects the report. Imports only the active Keras backend.
+
+    Args:
+        bench: Optional result of `kerasmp bench` on this machine (the dict,
+            or the path of its `--json` file): the recommendation then rests
+            on those measurements.
 
     Returns:
         A `DoctorReport`.
@@ -162,16 +224,19 @@ def doctor():
         "tensorflow": _version("tensorflow"),
         "jax": _version("jax"),
     }
+    if isinstance(bench, (str, os.PathLike)):
+        with open(bench, encoding="utf-8") as f:
+            bench = json.load(f)
     devices = visible_devices(backend)
-    policy, reason, warnings = recommend(devices, backend)
+    policy, reason, warnings = recommend(devices, backend, bench)
     if "KERAS_BACKEND" not in os.environ and backend == "tensorflow":
-        reason += " (backend: tensorflow, the default; set KERAS_BACKEND=jax" \
-                  " to check the JAX backend)"
+        reason += (" Backend: tensorflow, the default; set KERAS_BACKEND=jax"
+                   " to check the JAX backend.")
     return DoctorReport(versions, backend, devices, policy, reason, warnings)
 
 
-def main(as_json=False):
-    report = doctor()
+def main(as_json=False, bench=None):
+    report = doctor(bench)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -28,3 +28,14 @@ class NonFiniteError(RuntimeError):
 
 class NonFiniteWarning(RuntimeWarning):
     """Warning issued by `NonFiniteMonitor` (filter it with `warnings`)."""
+
+
+class StockPolicyWarning(UserWarning):
+    """Keras's own mixed policy is in force, so kerasmp's rules do not apply.
+
+    Issued once per process by the first `model.compile()` while the global
+    dtype policy is a stock `keras.DTypePolicy` such as the one
+    `keras.mixed_precision.set_global_policy("mixed_float16")` (the
+    TensorFlow guide's first line) sets, not a `kerasmp.Policy`. The message
+    names the one line to change: `kerasmp.set_global_policy(...)`.
+    """

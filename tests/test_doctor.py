@@ -12,7 +12,7 @@ from kerasmp.doctor import recommend
 @pytest.mark.parametrize(
     "device, policy, warned",
     [
-        (Device("cpu", "some cpu"), "float32", "slower than float32"),
+        (Device("cpu", "some cpu"), "float32", "to test code you will run"),
         (Device("gpu", "H100", (9, 0)), "mixed_bfloat16", None),
         (Device("gpu", "A100", (8, 0)), "mixed_bfloat16", None),
         (Device("gpu", "V100", (7, 0)), "mixed_float16", None),
@@ -33,10 +33,15 @@ def test_recommendation_follows_compute_capability(device, policy, warned):
 
 def test_cpu_with_bf16_instructions_mentions_bfloat16_on_tensorflow():
     cpu = Device("cpu", "cpu", bf16_instructions=True)
-    _, _, warnings = recommend([cpu], backend="tensorflow")
-    assert any("mixed_bfloat16 can train faster" in w for w in warnings)
-    _, _, warnings = recommend([cpu], backend="jax")
-    assert not any("mixed_bfloat16" in w for w in warnings)
+    policy, reason, _ = recommend([cpu], backend="tensorflow")
+    # Unmeasured: float32 as the safe default, not as "the fastest", and
+    # the way to decide on measurements.
+    assert policy == "float32"
+    assert "fastest" not in reason and "nothing measured" in reason
+    assert "mixed_bfloat16 has trained faster" in reason
+    assert "kerasmp doctor --bench bench.json" in reason
+    _, reason, warnings = recommend([cpu], backend="jax")
+    assert not any("mixed_bfloat16" in w for w in [reason, *warnings])
 
 
 def test_cli_doctor_json_on_this_machine(capsys):

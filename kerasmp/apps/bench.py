@@ -473,7 +473,7 @@ def run_bench(preset="default", models=None, policies=DEFAULT_POLICIES,
             "total_time_s": round(time.perf_counter() - started, 3),
         }
         if kind == "cpu":
-            out["advice"] = _advice()
+            out["advice"] = _advice(out)
         return out
 
     for spec in specs:
@@ -496,10 +496,11 @@ def _kerasmp_version():
     return kerasmp.__version__
 
 
-def _advice():
+def _advice(result):
+    """doctor's advice, resting on this benchmark's own measurements."""
     from kerasmp.doctor import doctor
 
-    report = doctor()
+    report = doctor(bench=result)
     return {"recommended_policy": report.recommended_policy,
             "reason": report.reason, "warnings": report.warnings}
 
@@ -549,7 +550,7 @@ def format_table(result):
     if advice:
         lines.append("")
         lines.append(f"doctor: recommended policy here: "
-                     f"{advice['recommended_policy']} ({advice['reason']})")
+                     f"{advice['recommended_policy']}: {advice['reason']}")
         for w in advice["warnings"]:
             lines.append(f"doctor: {w}")
     return "\n".join(lines)

@@ -366,11 +366,23 @@ def _import_keras(args):
     with _stderr_silenced(quiet and "keras" not in sys.modules):
         import keras
 
-        if quiet and keras.backend.backend() == "tensorflow":
+        backend = keras.backend.backend()
+        if quiet and (backend == "tensorflow" or _imports_tensorflow(args)):
             import tensorflow as tf
 
             tf.get_logger().setLevel("ERROR")
     return keras
+
+
+def _imports_tensorflow(args):
+    """Whether a command on another backend will import TensorFlow anyway:
+    Keras's `set_random_seed` and its saving code import it when it is
+    installed. Importing it here, with stderr silenced, keeps its start-up
+    lines (oneDNN, cuInit) out of `demo`, `export` and `bench` on JAX."""
+    import importlib.util
+
+    return (getattr(args, "command", None) in ("demo", "export", "bench")
+            and importlib.util.find_spec("tensorflow") is not None)
 
 
 def _load_model(args, path, modules):
@@ -415,11 +427,29 @@ def _load_model(args, path, modules):
 # --------------------------------------------------------------------------
 
 
+def _check_doctor(args):
+    if args.bench is None:
+        return
+    try:
+        with open(args.bench, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--bench {args.bench}: cannot read it "
+                         f"({e.strerror})") from None
+    except ValueError:
+        raise UsageError(f"--bench {args.bench}: not a JSON file (write one "
+                         "with `kerasmp bench --json FILE`)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise UsageError(f"--bench {args.bench}: not a `kerasmp bench "
+                         "--json` result (no \"rows\")")
+    args.bench = data
+
+
 def _doctor(args):
     _import_keras(args)
     from kerasmp.doctor import main
 
-    return main(as_json=args.json)
+    return main(as_json=args.json, bench=args.bench)
 
 
 def _check_inspect(args):
@@ -462,11 +492,13 @@ def _check_demo(args):
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out!r} is a file; expected a folder for "
                          "the demo's artifacts")
-    target = out
-    while not os.path.exists(target):
-        target = os.path.dirname(os.path.abspath(target))
+    target = out if os.path.isdir(out) else os.path.dirname(
+        os.path.abspath(out))
     if not os.path.isdir(target):
-        raise UsageError(f"--out {out!r}: {target!r} is not a folder")
+        # Like export: a missing parent is a typo, not a folder to create.
+        kind = "is not a folder" if os.path.exists(target) else (
+            "does not exist")
+        raise UsageError(f"--out {out!r}: its folder {target!r} {kind}")
     if not os.access(target, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out!r}: cannot write in {target!r} "
                          "(permission denied)")
@@ -705,8 +737,11 @@ def build_parser():
         "machine, with the reason.")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON")
+    p.add_argument("--bench", metavar="FILE",
+                   help="a `kerasmp bench --json` result measured on this "
+                   "machine: recommend on those measurements")
     _common(p, suppress)
-    p.set_defaults(func=_doctor, check=None)
+    p.set_defaults(func=_doctor, check=_check_doctor)
 
     p = sub.add_parser(
         "inspect", help="print the per-layer dtype report of a saved .keras "
@@ -895,6 +930,36 @@ def markdown_reference():
     return "\n".join(lines) + "\n"
 
 
+def _subcommand_parser(parser, command):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command, parser)
+    return parser
+
+
+def _unrecognized(parser, command, extra):
+    import difflib
+
+    sub = _subcommand_parser(parser, command)
+    options = [o for a in sub._actions for o in a.option_strings]
+    message = "unrecognized arguments: " + " ".join(extra)
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=")[0], options, 1)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+                break
+    return message
+
+
+def _silence_stdout():
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (tests)
+        pass
+
+
 def main(argv=None):
     """Runs the `kerasmp` command; returns the exit status.
 
@@ -902,13 +967,25 @@ def main(argv=None):
         argv: The arguments (defaults to `sys.argv[1:]`).
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Name the subcommand's help, not the top-level one, and a near miss.
+        _subcommand_parser(parser, args.command).error(
+            _unrecognized(parser, args.command, extra))
     prog = f"kerasmp {args.command}"
     args._quiet = _quiet_logs(args.verbose)
     try:
         if args.check is not None:
             args.check(args)
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
+    except BrokenPipeError:
+        # `kerasmp ... | head`: the reader has gone. Stop quietly, as Unix
+        # tools do, and keep Python from complaining when it flushes stdout
+        # at exit.
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for `cat | head`
     except UsageError as e:
         if args.debug:
             raise

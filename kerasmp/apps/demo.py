@@ -344,7 +344,8 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     """Trains the demo CNN in float32 and in mixed precision and compares.
 
     Args:
-        out: Folder for the artifacts (created if needed). The artifacts of
+        out: Folder for the artifacts (created if needed; its parent
+            folder must exist). The artifacts of
             an earlier run there (`ARTIFACT_NAMES`) are removed first, so
             it holds only what this run writes; other files are left.
         policy: `"mixed_float16"` (default; with loss scaling) or
@@ -378,6 +379,11 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
         raise TypeError(f"`out` must be a folder path. Received: {out!r}")
     out = os.fspath(out)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        # Like `kerasmp export`: a typo in the path must not create folders.
+        raise ValueError(f"`out` {out!r}: its folder {parent!r} does not "
+                         "exist; create it first")
     os.makedirs(out, exist_ok=True)
     _remove_earlier_artifacts(out)
     if epochs is None:
@@ -495,7 +501,7 @@ def format_summary(summary):
     f32, mp = summary["runs"]["float32"], summary["runs"]["mixed"]
     policy = summary["config"]["policy"]
     rows = [
-        ("", "float32", policy, ""),
+        ("", "float32", policy, f"{policy} vs float32"),
         ("test accuracy", f"{100 * f32['test_accuracy']:.2f}%",
          f"{100 * mp['test_accuracy']:.2f}%",
          f"{summary['accuracy_diff_pp']:+.2f} pp"),
@@ -522,9 +528,13 @@ def format_summary(summary):
             f"test acc {100 * e['test_accuracy']:.2f}%"
             if top1 is not None else "",
         ))
-    table = render_table(rows[0], rows[1:], rule="full").split("\n")
+    table = render_table(rows[0], rows[1:], rule="full", strip=True)
+    table = table.split("\n")
+    # The rule spans what is printed (no trailing padding); it closes the
+    # table too.
+    rule = "-" * max(len(text) for i, text in enumerate(table) if i != 1)
+    table[1] = rule
     lines = [""] + table
-    rule = table[1]  # it closes the table too
     verdict = (
         "within 1 point of float32" if summary["accuracy_parity"]
         else "MORE than 1 point from float32"
