@@ -202,10 +202,15 @@ def _compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _skip_guard.guard_skipped_steps(self)  # kerasmp's optimizer, if given
         return result
+    from kerasmp import float8
+
+    float8.assign_layers(self)  # float8 policies: the rule's layers
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
-    if arguments["auto_scale_loss"] and needs_loss_scaling(self):
+    if arguments["auto_scale_loss"] and (
+        needs_loss_scaling(self) or float8.needs_loss_scaling(self)
+    ):
         optimizer = keras.optimizers.get(arguments["optimizer"])
         if optimizer is not None and not isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer
@@ -237,7 +242,9 @@ def _serialize(policy):
     """`dtype_policies.serialize` that stock Keras can read back."""
     if not isinstance(policy, tuple(_saved_classes.values())):
         return _originals["serialize"](policy)
-    config = _originals["serialize"](keras.DTypePolicy(policy.name))
+    stock = getattr(policy, "stock_policy", None)  # float8 policies
+    stock = stock() if stock else keras.DTypePolicy(policy.name)
+    config = _originals["serialize"](stock)
     config[_KERASMP_KEY] = {
         "class_name": type(policy).__name__,
         "config": policy.get_config(),

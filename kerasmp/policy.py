@@ -26,10 +26,11 @@ import sys
 import keras
 
 from kerasmp import _hooks
+from kerasmp import float8 as _float8
 from kerasmp._namematch import NameMatcher
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
-                "float32", "float64")
+                "float32", "float64") + tuple(_float8.FLOAT8_NAMES)
 _SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
 
 
@@ -196,6 +197,12 @@ class Policy(keras.DTypePolicy):
             layers whose `activation` is softmax or log_softmax. Defaults to
             `DEFAULT_FLOAT32_LAYERS` (softmax and every Keras normalization
             layer). Pass `()` for no overrides.
+        float8: For the float8 names only (`"float8_mixed_bfloat16"`,
+            `"float8_mixed_float16"`): a `kerasmp.float8.Float8Rule` saying
+            which Dense/EinsumDense layers train in Keras's float8 mode
+            (assigned at `compile`, see `kerasmp.float8`). Defaults to
+            `Float8Rule()`. Every other layer computes as under the base
+            policy (`"mixed_bfloat16"` / `"mixed_float16"`).
 
     Example:
 
@@ -209,7 +216,7 @@ class Policy(keras.DTypePolicy):
     """
 
     def __init__(self, name="mixed_float16",
-                 float32_layers=DEFAULT_FLOAT32_LAYERS):
+                 float32_layers=DEFAULT_FLOAT32_LAYERS, float8=None):
         if not isinstance(name, str) or name not in _FLOAT_NAMES:
             raise ValueError(
                 f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
@@ -228,6 +235,7 @@ class Policy(keras.DTypePolicy):
                 "`float32_layers` must be a sequence of layer classes and/or "
                 f"regular expressions. Received: {float32_layers!r}"
             ) from None
+        self._float8 = _float8.rule_for(name, float8)
         install()
         super().__init__(name)
         self._rules = tuple(parse_rule(r) for r in rules)
@@ -240,6 +248,21 @@ class Policy(keras.DTypePolicy):
         # (layer class, name, activation) -> rule description or None, so
         # that each layer is matched once, not on every dtype lookup.
         self._decisions = {}
+
+    def _parse_name(self, name):
+        # A float8 name computes like its base policy (kerasmp.float8).
+        base = keras.DTypePolicy(_float8.base_name(name))
+        return base.compute_dtype, base.variable_dtype
+
+    @property
+    def float8(self):
+        """The `Float8Rule` of a float8 policy, else None."""
+        return self._float8
+
+    def stock_policy(self):
+        """The stock Keras policy a saved file holds for Keras without
+        kerasmp (the base policy of a float8 name)."""
+        return keras.DTypePolicy(_float8.base_name(self.name))
 
     @property
     def float32_layers(self):
@@ -312,7 +335,10 @@ class Policy(keras.DTypePolicy):
                 rules.append({"pattern": rule.pattern})
             else:
                 rules.append(_class_to_config(rule))
-        return {"name": self.name, "float32_layers": rules}
+        config = {"name": self.name, "float32_layers": rules}
+        if self._float8 is not None:
+            config["float8"] = self._float8.get_config()
+        return config
 
     @classmethod
     def from_config(cls, config):
@@ -448,7 +474,8 @@ def install():
     never needs to; see `kerasmp._hooks` for what they change. They act only
     on layers whose policy is a kerasmp one.
     """
-    _hooks.install(Policy, saved_classes=(Policy, Float32Override))
+    _hooks.install(Policy, saved_classes=(Policy, Float32Override)
+                   + _float8.POLICY_CLASSES)
 
 
 def uninstall():
