@@ -602,3 +602,4 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 NonFiniteWarning,
                 stacklevel=3,
             )
+from kerasmp.float8_monitor import Float8Monitor  # noqa: E402,F401
