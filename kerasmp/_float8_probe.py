@@ -17,9 +17,12 @@ of the loss with respect to zeros added to each matmul output.
 """
 
 import contextlib
+import weakref
 
 import keras
 import numpy as np
+
+_TRACED = weakref.WeakKeyDictionary()  # model -> traced TensorFlow replays
 
 
 def _numpy(x):
@@ -82,10 +85,13 @@ def _scaled(model, loss):
     return scale_loss(loss) if scale_loss is not None else loss
 
 
-def record(model, layers, x, y=None):
+def record(model, layers, x, y=None, cache=None):
     """Replays `x` (and targets `y`) and returns, per layer in `layers`, a
     dict with `"inputs"` and, when `y` is given and the model has a
-    single-output loss, `"outputs_grad"` (numpy arrays)."""
+    single-output loss, `"outputs_grad"` (numpy arrays).
+
+    `cache`: a dict kept between calls with the same model and layers (on
+    TensorFlow it holds the traced replay, so it is traced once)."""
     loss_fn = _loss_fn(model) if y is not None else None
     if loss_fn is None:
         with _recording(layers, lambda i, pre: pre) as inputs:
@@ -95,7 +101,8 @@ def record(model, layers, x, y=None):
     if keras.backend.backend() == "jax":
         return _record_jax(model, layers, x, y, loss_fn)
     if keras.backend.backend() == "tensorflow":
-        return _record_tf(model, layers, x, y, loss_fn)
+        return _record_tf(model, layers, x, y, loss_fn,
+                          {} if cache is None else cache)
     return record(model, layers, x)
 
 
@@ -105,12 +112,35 @@ def _loss(model, loss_fn, y, y_pred):
     return _scaled(model, value)
 
 
-def _record_tf(model, layers, x, y, loss_fn):
+def _record_tf(model, layers, x, y, loss_fn, cache):
+    import tensorflow as tf
+
+    key = ("tf_replay", tuple(id(l) for l in layers), id(loss_fn))
+    run = cache.get(key) or _TRACED.get(model, {}).get(key)
+    if run is None:
+        run = _tf_replay(model, layers, loss_fn)
+        # Kept with the model too: a new monitor (one per fit) reuses it.
+        _TRACED.setdefault(model, {})[key] = run
+    cache[key] = run
+    inputs, grads = run(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+    out = []
+    for i in range(len(layers)):
+        row = {"inputs": _numpy(inputs[str(i)])} if str(i) in inputs else {}
+        if str(i) in grads:
+            row["outputs_grad"] = _numpy(grads[str(i)])
+        out.append(row)
+    return out
+
+
+def _tf_replay(model, layers, loss_fn):
     import tensorflow as tf
 
     # Graph mode, as in a training step: TensorFlow's eager custom-gradient
     # wrapper hands Keras's float8 gradient functions a variables argument
-    # they do not expect.
+    # they do not expect. The model is held weakly: `_TRACED` keeps this
+    # function as long as the model lives, and no longer.
+    model = weakref.ref(model)
+
     @tf.function
     def run(x, y):
         outputs = {}
@@ -122,21 +152,14 @@ def _record_tf(model, layers, x, y, loss_fn):
 
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             with _recording(layers, watch) as inputs:
-                y_pred = model(x, training=False)
-            loss = _loss(model, loss_fn, y, y_pred)
+                y_pred = model()(x, training=False)
+            loss = _loss(model(), loss_fn, y, y_pred)
         keys = sorted(outputs)
         grads = tape.gradient(loss, [outputs[i] for i in keys])
         return ({str(i): v for i, v in inputs.items()},
                 {str(i): g for i, g in zip(keys, grads) if g is not None})
 
-    inputs, grads = run(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
-    out = []
-    for i in range(len(layers)):
-        row = {"inputs": _numpy(inputs[str(i)])} if str(i) in inputs else {}
-        if str(i) in grads:
-            row["outputs_grad"] = _numpy(grads[str(i)])
-        out.append(row)
-    return out
+    return run
 
 
 def _record_jax(model, layers, x, y, loss_fn):

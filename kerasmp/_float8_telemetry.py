@@ -60,16 +60,15 @@ def saturation_fraction(x, scale, fmt):
 
 def underflow_fraction(x, scale, fmt):
     """The fraction of `x`'s values that are non-zero but become zero in
-    float8: `x != 0` and `cast(x / scale, fmt) == 0` (the values below half
-    the smallest subnormal, 2**-10 for E4M3 and 2**-17 for E5M2).
+    float8: `x != 0` and `cast(x / scale, fmt) == 0`, i.e. `0 < |x / scale|
+    <= s / 2` for the format's smallest subnormal `s` (2**-9 for E4M3,
+    2**-16 for E5M2; a tie rounds to even: zero).
     """
-    y = _scaled(x, scale)
+    y = np.abs(_scaled(x, scale))
     if y.size == 0:
         return 0.0
-    m = format_max(fmt)
-    with np.errstate(invalid="ignore"):
-        q = np.clip(y, -m, m).astype(fmt).astype(np.float32)
-    return float(np.mean((y != 0) & (q == 0) & np.isfinite(y)))
+    half = float(ml_dtypes.finfo(fmt).smallest_subnormal) / 2
+    return float(np.mean((y > 0) & (y <= half)))
 
 
 def chronological(history):

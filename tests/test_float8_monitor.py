@@ -98,7 +98,7 @@ def test_logged_values_are_the_variables_keras_keeps(tmp_path, jit):
     model = _model()
     model.compile("adam", "mse", jit_compile=jit)
     x, y = _data()
-    monitor = Float8Monitor()
+    monitor = Float8Monitor(every_n_steps=1)
     log = tmp_path / "log.csv"
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
                         callbacks=[monitor, keras.callbacks.CSVLogger(log)])
@@ -201,6 +201,7 @@ def test_injected_saturating_layer_falls_back_alone(jit, spe):
     x, y = _data()
     grow = Grow(model.get_layer("gain"), start=4)
     monitor = Float8Monitor(data=(x[:16], y[:16]), action="fallback",
+                            every_n_steps=1,
                             warmup_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -230,7 +231,7 @@ def test_amax_ratio_sees_the_step_that_clipped():
     model = _model()
     model.compile("sgd", "mse")
     x, y = _data()
-    monitor = Float8Monitor(action="log", warmup_steps=0,
+    monitor = Float8Monitor(action="log", warmup_steps=0, every_n_steps=1,
                             tensors=("inputs",))
     model.fit(x, y, batch_size=8, epochs=1, verbose=0,
               callbacks=[Grow(model.get_layer("gain"), start=3), monitor])
@@ -251,7 +252,7 @@ def test_action_stop_stops_training():
     model = _model()
     model.compile("adam", "mse")
     x, y = _data()
-    monitor = Float8Monitor(action="stop", warmup_steps=2)
+    monitor = Float8Monitor(action="stop", warmup_steps=2, every_n_steps=1)
     with pytest.warns(UserWarning, match="Training stops"):
         model.fit(x, y, batch_size=8, epochs=3, verbose=0,
                   callbacks=[Grow(model.get_layer("gain"), start=2), monitor])
