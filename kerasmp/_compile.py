@@ -34,6 +34,7 @@ import keras
 from kerasmp import _keras_internals as _ki
 from kerasmp import _stock_policy
 from kerasmp import _train_step
+from kerasmp import float8 as _float8
 from kerasmp import policy as _policy
 from kerasmp.distributed import check_workers_agree
 from kerasmp.optimizer import LossScaleOptimizer
@@ -77,10 +78,13 @@ def _compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _train_step.install(self)
         return result
+    _float8.assign_layers(self)  # float8 policies: the rule's layers
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
-    if arguments["auto_scale_loss"] and needs_loss_scaling(self):
+    if arguments["auto_scale_loss"] and (
+        needs_loss_scaling(self) or _float8.needs_loss_scaling(self)
+    ):
         optimizer = keras.optimizers.get(arguments["optimizer"])
         if optimizer is not None and not isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer

@@ -612,3 +612,4 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 _nonfinite_messages.log_failed_message(self.log_file, e),
                 NonFiniteWarning,
             )
+from kerasmp.float8_monitor import Float8Monitor  # noqa: E402,F401

@@ -31,10 +31,11 @@ import keras
 
 from kerasmp import _keras_internals as _ki
 from kerasmp import _norm_rule
+from kerasmp import float8 as _float8
 from kerasmp._namematch import NameMatcher
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
-                "float32", "float64")
+                "float32", "float64") + tuple(_float8.FLOAT8_NAMES)
 _SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
 
 
@@ -309,6 +310,12 @@ class Policy(keras.DTypePolicy):
             and predicates (as in `float32_layers`): a layer they match is
             never put in float32 by `float32_layers`, whatever rule would
             match it. Defaults to `()`.
+        float8: For the float8 names only (`"float8_mixed_bfloat16"`,
+            `"float8_mixed_float16"`): a `kerasmp.float8.Float8Rule` saying
+            which Dense/EinsumDense layers train in Keras's float8 mode
+            (assigned at `compile`, see `kerasmp.float8`). Defaults to
+            `Float8Rule()`. Every other layer computes as under the base
+            policy (`"mixed_bfloat16"` / `"mixed_float16"`).
 
     Example:
 
@@ -327,7 +334,8 @@ class Policy(keras.DTypePolicy):
     """
 
     def __init__(self, name="mixed_float16",
-                 float32_layers=DEFAULT_FLOAT32_LAYERS, float32_exclude=()):
+                 float32_layers=DEFAULT_FLOAT32_LAYERS, float32_exclude=(),
+                 float8=None):
         if not isinstance(name, str) or name not in _FLOAT_NAMES:
             raise ValueError(
                 f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
@@ -356,6 +364,7 @@ class Policy(keras.DTypePolicy):
                     "built-in rule, leave it out of `float32_layers`. "
                     f"Received: {entry!r}"
                 )
+        self._float8 = _float8.rule_for(name, float8)
         install()
         super().__init__(name)
         self._rules = tuple(
@@ -371,6 +380,21 @@ class Policy(keras.DTypePolicy):
         # (layer class, name, activation) -> rule description or None, so
         # that each layer is matched once, not on every dtype lookup.
         self._decisions = {}
+
+    def _parse_name(self, name):
+        # A float8 name computes like its base policy (kerasmp.float8).
+        base = keras.DTypePolicy(_float8.base_name(name))
+        return base.compute_dtype, base.variable_dtype
+
+    @property
+    def float8(self):
+        """The `Float8Rule` of a float8 policy, else None."""
+        return self._float8
+
+    def stock_policy(self):
+        """The stock Keras policy a saved file holds for Keras without
+        kerasmp (the base policy of a float8 name)."""
+        return keras.DTypePolicy(_float8.base_name(self.name))
 
     @property
     def float32_layers(self):
@@ -476,7 +500,10 @@ class Policy(keras.DTypePolicy):
 
     def get_config(self):
         rules = [_rule_to_config(rule) for rule in self._rules]
-        return {"name": self.name, "float32_layers": rules}
+        config = {"name": self.name, "float32_layers": rules}
+        if self._float8 is not None:
+            config["float8"] = self._float8.get_config()
+        return config
 
     @classmethod
     def from_config(cls, config):
@@ -738,14 +765,19 @@ def _layer_call(self, *args, **kwargs):
 
 
 _KERASMP_KEY = "kerasmp"
-_SAVED_CLASSES = {"Policy": Policy, "Float32Override": Float32Override}
+_SAVED_CLASSES = {
+    cls.__name__: cls
+    for cls in (Policy, Float32Override) + _float8.POLICY_CLASSES
+}
 
 
 def _serialize(policy):
     """`dtype_policies.serialize` that stock Keras can read back."""
-    if not isinstance(policy, (Policy, Float32Override)):
+    if not isinstance(policy, tuple(_SAVED_CLASSES.values())):
         return _originals["serialize"](policy)
-    config = _originals["serialize"](keras.DTypePolicy(policy.name))
+    stock = getattr(policy, "stock_policy", None)  # float8 policies
+    stock = stock() if stock else keras.DTypePolicy(policy.name)
+    config = _originals["serialize"](stock)
     config[_KERASMP_KEY] = {
         "class_name": type(policy).__name__,
         "config": policy.get_config(),

@@ -4,6 +4,7 @@ import dataclasses
 
 import keras
 
+from kerasmp import float8 as _float8
 from kerasmp import policy as _policy
 from kerasmp._layers import walk
 from kerasmp._table import render_table
@@ -74,6 +75,9 @@ moved to float32."""
 
 
 def _reason(layer, global_policy):
+    float8_reason = _float8.report_reason(layer)
+    if float8_reason is not None:
+        return float8_reason
     resolved = layer.dtype_policy
     if isinstance(resolved, _policy.Float32Override):
         if resolved.rule == FALLBACK_RULE:

@@ -32,7 +32,11 @@ Policies: `float32`, `float32_highest` (float32 with TF32 matmuls disabled:
 `jax_default_matmul_precision="highest"` on JAX,
 `enable_tensor_float_32_execution(False)` on TensorFlow; it differs from
 `float32` only on GPUs with TF32), `mixed_float16` (with
-`kerasmp.optimizer.LossScaleOptimizer`) and `mixed_bfloat16`.
+`kerasmp.optimizer.LossScaleOptimizer`), `mixed_bfloat16` and
+`float8_mixed_bfloat16` (Keras's float8 training for the large
+Dense/EinsumDense layers, `kerasmp.float8`; simulated on CPUs, so slower
+there: its gain needs an H100/H200-class GPU, 1.25-1.4x over bfloat16 as
+reported elsewhere).
 
 Length: the timing protocol and both backends' memory counters are one
 measurement and are read together; the models live in `zoo.py` and the
@@ -60,10 +64,12 @@ from kerasmp.apps.zoo import ModelSpec
 from kerasmp.apps.zoo import build_model
 from kerasmp.apps.zoo import make_data
 from kerasmp.debug import record_calls
+from kerasmp.float8 import float8_layers
 from kerasmp.performance import PerformanceMonitor
 from kerasmp.policy import handoff_dtype
 
-POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16")
+POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16",
+            "float8_mixed_bfloat16")
 DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
 MEMORY_METHOD = (
@@ -346,6 +352,7 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
         "final_loss": None if loss is None else float(loss),
         "loss_finite": loss is not None and math.isfinite(float(loss)),
         "loss_scale": getattr(model.optimizer, "loss_scale", None),
+        "float8_layers": len(float8_layers(model)),
     }
     del model
     keras.backend.clear_session()

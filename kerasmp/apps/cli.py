@@ -54,7 +54,7 @@ EXPORT_SUFFIXES = {n: s.suffix for n, s in SPECS.items() if s.suffix}
 ONNX_PACKAGES = SPECS["onnx"].packages
 BENCH_MODELS = ("mlp", "cnn", "transformer")
 BENCH_POLICIES = ("float32", "float32_highest", "mixed_float16",
-                  "mixed_bfloat16")
+                  "mixed_bfloat16", "float8_mixed_bfloat16")
 BENCH_DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 BENCH_PRESET_MODELS = {
     "quick": ("mlp", "cnn", "transformer"),

@@ -1,0 +1,260 @@
+"""Float8Monitor (kerasmp/float8_monitor.py): telemetry keys and values
+against the variables Keras keeps and against hand computations on crafted
+tensors, the logs (History, CSVLogger), steps_per_execution, jit_compile,
+and an injected saturating layer detected and fallen back alone. Runs on
+TensorFlow and JAX."""
+
+import csv
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmp
+from kerasmp import _float8_telemetry as tm
+from kerasmp import float8
+from kerasmp.callbacks import Float8Monitor
+
+
+def _policy(**rule):
+    return kerasmp.Policy("float8_mixed_bfloat16", float8=float8.Float8Rule(
+        **{"min_kernel_size": 256, **rule}))
+
+
+@keras.saving.register_keras_serializable(package="test_float8_monitor")
+class Gain(keras.layers.Layer):
+    """Multiplies by a non-trainable gain (the injected fault's knob)."""
+
+    def build(self, input_shape):
+        self.gain = self.add_weight(shape=(), initializer="ones",
+                                    trainable=False, name="gain")
+
+    def call(self, x):
+        return x * keras.ops.cast(self.gain, x.dtype)
+
+
+class Grow(keras.callbacks.Callback):
+    """Multiplies the gain by `factor` before every step from `start` on."""
+
+    def __init__(self, layer, factor=4.0, start=0):
+        super().__init__()
+        self.layer, self.factor, self.start = layer, factor, start
+        self.steps = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.steps += 1
+        if self.steps > self.start:
+            self.layer.gain.assign(self.layer.gain * self.factor)
+
+
+def _model():
+    """first -> gain -> hot (32x32) -> ln -> cool (32x32) -> head."""
+    inp = keras.Input((16,))
+    x = keras.layers.Dense(32, name="first")(inp)
+    x = Gain(name="gain")(x)
+    x = keras.layers.Dense(32, name="hot")(x)
+    x = keras.layers.LayerNormalization(name="ln")(x)
+    x = keras.layers.Dense(32, name="cool")(x)
+    out = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(inp, out)
+
+
+def _data(n=64):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, 16)).astype("float32"),
+            rng.normal(size=(n, 4)).astype("float32"))
+
+
+def _read(layer, tensor):
+    scale = float(np.asarray(getattr(layer, f"{tensor}_scale")))
+    history = np.asarray(getattr(layer, f"{tensor}_amax_history"))
+    return scale, history
+
+
+# ------------------------------------------------------------- arguments
+
+
+def test_bad_arguments_fail_at_construction():
+    for kwargs, match in [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"action": "explode"}, "'log', 'warn', 'fallback', 'stop'"),
+        ({"saturation_threshold": 2}, "saturation_threshold"),
+        ({"spike_ratio": 0.5}, "spike_ratio"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"tensors": ("inputs", "weights")}, "'outputs_grad'"),
+        ({"data": (1, 2, 3)}, "x or \\(x, y\\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Float8Monitor(**kwargs)
+
+
+# ---------------------------------------------------- values and the logs
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_logged_values_are_the_variables_keras_keeps(tmp_path, jit):
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse", jit_compile=jit)
+    x, y = _data()
+    monitor = Float8Monitor(every_n_steps=1)
+    log = tmp_path / "log.csv"
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                        callbacks=[monitor, keras.callbacks.CSVLogger(log)])
+    assert [r["step"] for r in monitor.records] == list(range(1, 9))
+    last = monitor.records[-1]
+    for path in ("hot", "cool"):
+        layer = model.get_layer(path)
+        for tensor in tm.TENSORS:
+            scale, h = _read(layer, tensor)
+            key = f"float8/{path}/{tensor}_"
+            assert last[key + "scale"] == pytest.approx(scale, rel=1e-6)
+            assert last[key + "amax"] == pytest.approx(float(h[0]), rel=1e-6)
+            assert last[key + "amax_history_max"] == pytest.approx(
+                float(h.max()), rel=1e-6)
+        # The kernel fractions are the kernel's, at the kernel scale.
+        scale, _ = _read(layer, "kernel")
+        kernel = np.asarray(layer.kernel)
+        assert last[f"float8/{path}/kernel_saturation"] == pytest.approx(
+            np.mean(np.abs(kernel / scale) > 448.0))
+        assert "float8/hot/inputs_saturation" not in last  # no `data`
+    # Epoch logs: History and CSVLogger get the values of each epoch's end.
+    assert history.history["float8/hot/kernel_scale"][-1] == pytest.approx(
+        last["float8/hot/kernel_scale"])
+    with open(log) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    assert float(rows[-1]["float8/cool/inputs_amax"]) == pytest.approx(
+        last["float8/cool/inputs_amax"], rel=1e-6)
+    assert monitor.events == []
+
+
+def test_every_n_steps_and_steps_per_execution():
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse", steps_per_execution=4)
+    x, y = _data()
+    monitor = Float8Monitor(every_n_steps=2)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor])
+    # Keras calls batch callbacks once per execution of 4 steps.
+    assert [r["step"] for r in monitor.records] == [4, 8, 12, 16]
+    h = np.asarray(model.get_layer("hot").inputs_amax_history)
+    assert (h > 0).sum() == 16  # every step left its amax
+
+
+def test_crafted_saturation_and_underflow_match_a_hand_count():
+    """One float8 Dense (identity kernel) fed crafted inputs and targets:
+    every fraction is countable by hand."""
+    kerasmp.set_global_policy(_policy(exclude_first=False,
+                                      exclude_last=False, min_kernel_size=0))
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(8, name="f8")])
+    model.compile("sgd", "mse")
+    layer = model.get_layer("f8")
+    assert layer.quantization_mode == "float8"
+    layer.kernel.assign(np.eye(8, dtype="float32"))
+    layer.bias.assign(np.zeros(8, "float32"))
+    layer.inputs_scale.assign(1.0)
+    layer.kernel_scale.assign(2.0 ** -9)  # 1 / 2**-9 = 512 > 448: saturates
+    layer.outputs_grad_scale.assign(2.0 ** -10)
+    # Inputs, powers of two (exact in bfloat16 and E4M3): 2 of 16 above 448
+    # (512, -1024), 2 below 2**-10 (2**-11, -2**-12), 12 ordinary.
+    x = np.array([[512, -1024, 2 ** -11, -(2 ** -12), 1, 2, 4, 8],
+                  [1, 1, 1, 1, 1, 1, 1, 1]], "float32")
+    # mse gradient wrt the outputs: 2 * (pred - y) / 16 = (pred - y) / 8.
+    # Scale 2**-10: |g| / scale > 57344 = 1.75 * 2**15 needs |g| > 56;
+    # below 2**-17 * 2**-10 = 2**-27 flushes.
+    # The forward clips the inputs to +-448 and flushes the tiny ones; the
+    # kernel's ones clip to 448 * 2**-9 = 0.875.
+    pred = np.clip(x, -448, 448)
+    pred[0, 2:4] = 0
+    pred = 0.875 * pred
+    d = np.array([[0, 0, 0, 0, 512, 2 ** -21, 0, 0],
+                  [8, 8, 8, 8, 8, 8, 2 ** -24, -1024]], "float32")
+    y = pred - d
+    # The output gradients are d / 8: 64, 2**-24, 1, 2**-27, -128.
+    monitor = Float8Monitor(data=(x, y))
+    monitor.set_model(model)
+    values = monitor.measure()
+    key = "float8/f8/"
+    assert values[key + "inputs_saturation"] == pytest.approx(2 / 16)
+    assert values[key + "inputs_underflow"] == pytest.approx(2 / 16)
+    # Kernel: eight ones at scale 2**-9 -> 512 > 448.
+    assert values[key + "kernel_saturation"] == pytest.approx(8 / 64)
+    assert values[key + "kernel_underflow"] == 0.0
+    # Saturated: 64 and -128 (65536 and 131072 > 57344 after the scale).
+    # Flushed: 2**-27 -> 2**-17, half of E5M2's smallest subnormal 2**-16,
+    # rounds to even: 0. (2**-24 -> 2**-14 survives.)
+    assert values[key + "outputs_grad_saturation"] == pytest.approx(2 / 16)
+    assert values[key + "outputs_grad_underflow"] == pytest.approx(1 / 16)
+
+
+# ------------------------------------------------------ events, fallback
+
+
+@pytest.mark.parametrize("jit,spe", [(False, 1), (True, 2)])
+def test_injected_saturating_layer_falls_back_alone(jit, spe):
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse", jit_compile=jit, steps_per_execution=spe)
+    x, y = _data()
+    grow = Grow(model.get_layer("gain"), start=4)
+    monitor = Float8Monitor(data=(x[:16], y[:16]), action="fallback",
+                            every_n_steps=1,
+                            warmup_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                            callbacks=[grow, monitor])
+    assert monitor.fallbacks == ["hot"]
+    assert {e["layer"] for e in monitor.events} == {"hot"}
+    event = monitor.events[0]
+    assert event["tensor"] == "inputs"
+    assert event["kind"] in ("saturation", "amax_spike")
+    assert event["fallback"] == "mixed_bfloat16"
+    assert "Moved 'hot' alone off float8" in event["message"]
+    assert any("Moved 'hot' alone" in str(w.message) for w in caught)
+    assert [p for p, _ in float8.float8_layers(model)] == ["cool"]
+    assert model.get_layer("hot").quantization_mode is None
+    assert len(history.history["loss"]) == 3  # the fit went on
+    assert np.isfinite(history.history["loss"]).all()
+    # After the fallback only the remaining layer is logged.
+    assert "float8/hot/inputs_scale" not in monitor.records[-1]
+    assert "float8/cool/inputs_scale" in monitor.records[-1]
+
+
+def test_amax_ratio_sees_the_step_that_clipped():
+    """Gain x4 per step: each step's amax is ~16x the amax (two steps
+    back) its scale was computed from."""
+    keras.utils.set_random_seed(0)
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("sgd", "mse")
+    x, y = _data()
+    monitor = Float8Monitor(action="log", warmup_steps=0, every_n_steps=1,
+                            tensors=("inputs",))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[Grow(model.get_layer("gain"), start=3), monitor])
+    ratio = monitor.records[-1]["float8/hot/inputs_amax_ratio"]
+    # Keras's history: h[0] is the last step's amax, h[-2] the amax two
+    # steps back, the largest one the last step's scale was computed from.
+    h = np.asarray(model.get_layer("hot").inputs_amax_history)
+    assert ratio == pytest.approx(h[0] / h[-2], rel=1e-6)
+    assert 8.0 < ratio < 32.0  # 16 times the batch-to-batch variation
+    assert monitor.records[-1]["float8/cool/inputs_amax_ratio"] < 2.0
+    kinds = {(e["layer"], e["kind"]) for e in monitor.events}
+    assert ("hot", "amax_spike") in kinds
+    assert all(layer == "hot" for layer, _ in kinds)
+
+
+def test_action_stop_stops_training():
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse")
+    x, y = _data()
+    monitor = Float8Monitor(action="stop", warmup_steps=2, every_n_steps=1)
+    with pytest.warns(UserWarning, match="Training stops"):
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                  callbacks=[Grow(model.get_layer("gain"), start=2), monitor])
+    assert monitor.records[-1]["step"] < 24
