@@ -1,0 +1,205 @@
+"""A half-precision copy of a model that plain Keras loads (no kerasmp).
+
+The `.keras` export. The model's own config is kept, and every layer's
+`dtype` entry becomes one stock `keras.dtype_policies.DTypePolicyMap`: its
+default policy is the half-precision dtype (`"float16"` or `"bfloat16"`:
+half-precision variables and computations), and it maps the `Layer.path` of
+each layer kerasmp keeps in float32 to `"float32"`. Keras resolves a layer's
+dtypes through such a map by the layer's own path, also for the sublayers a
+layer creates itself with `dtype=self.dtype_policy` (the softmax inside
+`MultiHeadAttention`, the layers of a keras-hub block), so the file says
+everything with stock classes and `keras.saving.load_model` reads it where
+kerasmp is not installed.
+
+Where that cannot express the model (its config does not rebuild the same
+layers, or a kept layer is created with an explicit dtype the map does not
+reach), `build` raises `NotExpressible` naming the layer.
+"""
+
+import copy
+
+import keras
+import numpy as np
+
+from kerasmp import _half
+from kerasmp._layers import walk
+
+# Each non-.keras format works without a config round trip.
+OTHER_FORMATS = "'savedmodel', 'tflite' or 'onnx'"
+_POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
+
+
+class NotExpressible(ValueError):
+    """The model cannot be written as a plain Keras `.keras` file."""
+
+
+def _policy_map(default, entries):
+    policy_map = keras.dtype_policies.DTypePolicyMap(
+        default_policy=keras.DTypePolicy(default),
+        policy_map={p: keras.DTypePolicy(n) for p, n in entries.items()},
+    )
+    return keras.saving.serialize_keras_object(policy_map)
+
+
+def _replace_policies(config, policy):
+    """`config` with every dtype policy entry replaced by `policy`.
+
+    The `dtype` of an `InputLayer` (a tensor dtype, not a policy) and
+    quantized policies are left alone.
+    """
+    if isinstance(config, list):
+        return [_replace_policies(c, policy) for c in config]
+    if not isinstance(config, dict):
+        return config
+    out = {}
+    for key, value in config.items():
+        if key == "dtype" and isinstance(value, dict) and value.get(
+            "class_name"
+        ) in _POLICY_CLASSES:
+            out[key] = copy.deepcopy(policy)
+        else:
+            out[key] = _replace_policies(value, policy)
+    return out
+
+
+def _rewrite(config, layer, node_policy):
+    """`config` (of `layer`) with each layer's dtype = `node_policy(layer)`.
+
+    Functional and Sequential models are walked into: each of their layers
+    gets its own entry. Any other layer's config (and what it nests) gets
+    one map covering the layer and the sublayers it creates itself.
+    """
+    if _half.is_graph_model(layer) and isinstance(config.get("config"),
+                                                  dict):
+        inner = dict(config["config"])
+        children = []
+        for sub in inner.get("layers", []):
+            name = (sub.get("config") or {}).get("name")
+            if sub.get("class_name") == "InputLayer" or name is None:
+                children.append(sub)
+                continue
+            try:
+                child = layer.get_layer(name)
+            except ValueError:  # an op node (`x + y`), not a layer
+                child = None
+            children.append(_rewrite(sub, child, node_policy))
+        inner["layers"] = children
+        if isinstance(inner.get("dtype"), dict):
+            inner["dtype"] = node_policy(layer)
+        return {**config, "config": inner}
+    return _replace_policies(config, node_policy(layer))
+
+
+def _rebuild(config, model):
+    try:
+        with _float32_global():
+            rebuilt = keras.saving.deserialize_keras_object(config)
+    except Exception as e:  # any failure of a user's from_config
+        raise NotExpressible(
+            f"format='keras' cannot write {model.name!r} as a plain Keras "
+            f"file: its config does not rebuild it ({type(e).__name__}: "
+            f"{str(e)[:200]}); export to {OTHER_FORMATS} instead."
+        ) from e
+    if not rebuilt.built:
+        raise NotExpressible(
+            f"format='keras' cannot write {model.name!r} as a plain Keras "
+            "file: the model rebuilt from its config is not built (no build "
+            f"config); export to {OTHER_FORMATS} instead."
+        )
+    return rebuilt
+
+
+class _float32_global:
+    """The global dtype policy is float32 while the copy is rebuilt, as in
+    a process that loads the file without kerasmp."""
+
+    def __enter__(self):
+        self.previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy("float32")
+
+    def __exit__(self, *exc):
+        keras.config.set_dtype_policy(self.previous)
+        return False
+
+
+def _pairs(model, rebuilt):
+    """`[(path, source layer, rebuilt layer)]`, checked to be the same."""
+    source = list(walk(model))
+    copy = list(walk(rebuilt))
+    same = len(source) == len(copy) and all(
+        type(a) is type(b)
+        for (_, a), (_, b) in zip(source, copy)
+    )
+    if not same:
+        first = next(
+            (p for (p, a), (_, b) in zip(source, copy)
+             if type(a) is not type(b)),
+            source[min(len(source), len(copy)) - 1][0] if source else "",
+        )
+        raise NotExpressible(
+            f"format='keras' cannot write {model.name!r} as a plain Keras "
+            f"file: its config does not rebuild the same layers (first "
+            f"difference at layer {first!r}); export to {OTHER_FORMATS} "
+            "instead."
+        )
+    return [(p, a, b) for (p, a), (_, b) in zip(source, copy)]
+
+
+def build(model, dtype, keep_float32=None):
+    """Returns `(plain model, {path: reason} of layers kept in float32)`.
+
+    The plain model is a stock Keras model rebuilt from `model`'s config
+    with the policy maps described in the module docstring, holding the
+    float32 master weights of `model` rounded once to `dtype` (float32 for
+    the kept layers).
+
+    Raises:
+        NotExpressible: naming the layer, before anything is written.
+    """
+    p = _half.plan(model, dtype, keep_float32)
+    kept = p["kept_float32"]
+    config = keras.saving.serialize_keras_object(model)
+    # Pass 1 learns each rebuilt layer's `Layer.path` (the maps' keys).
+    probe = _rebuild(_replace_policies(config, _policy_map(dtype, {})),
+                     model)
+    pairs = _pairs(model, probe)
+    wpath = {id(b): p for p, _, b in pairs}
+
+    def node_policy(layer):
+        if layer is None:
+            return _policy_map(dtype, {})
+        family = [(wpath.get(id(l), ""), l)
+                  for l in [layer] + [l for _, l in walk(layer)]]
+        entries, pathless_kept = {}, False
+        for path, sub in family:
+            name = "float32" if path in kept else dtype
+            if sub.path:
+                entries[sub.path] = name
+            elif path in kept:
+                pathless_kept = True
+        return _policy_map("float32" if pathless_kept else dtype, entries)
+
+    rebuilt = _rebuild(_rewrite(config, probe, node_policy), model)
+    for path, src, layer in _pairs(model, rebuilt):
+        if (path in kept and not _half.is_container(layer)
+                and _half.is_float(layer.compute_dtype)
+                and layer.compute_dtype != "float32"):
+            raise NotExpressible(
+                f"format='keras' cannot write {model.name!r} as a plain "
+                f"Keras file: layer {path!r} ({type(layer).__name__}) "
+                f"would compute in {layer.compute_dtype}, not float32, "
+                "because stock dtype policies cannot reach it; export to "
+                f"{OTHER_FORMATS} instead."
+            )
+    sources = _half.unique_variables(model)
+    copies = _half.unique_variables(rebuilt)
+    if [tuple(v.shape) for v in sources] != [tuple(v.shape) for v in copies]:
+        raise NotExpressible(
+            f"format='keras' cannot write {model.name!r} as a plain Keras "
+            "file: the model rebuilt from its config creates its variables "
+            f"differently; export to {OTHER_FORMATS} instead."
+        )
+    for s, c in zip(sources, copies):
+        value = _half.numpy_value(s)
+        c.assign(value.astype(np.dtype(str(c.dtype))))
+    return rebuilt, kept
