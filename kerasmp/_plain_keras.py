@@ -159,6 +159,7 @@ def build(model, dtype, keep_float32=None):
     p = _half.plan(model, dtype, keep_float32)
     kept = p["kept_float32"]
     config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)  # inference only: no optimizer
     # Pass 1 learns each rebuilt layer's `Layer.path` (the maps' keys).
     probe = _rebuild(_replace_policies(config, _policy_map(dtype, {})),
                      model)
