@@ -29,8 +29,9 @@ OTHER_FORMATS = "'savedmodel', 'tflite' or 'onnx'"
 _POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
 
 
-class NotExpressible(ValueError):
-    """The model cannot be written as a plain Keras `.keras` file."""
+class NotExpressible(ValueError, TypeError):
+    """The model cannot be written as a plain Keras `.keras` file (a
+    ValueError; also a TypeError, as the no-get_config() case was)."""
 
 
 def _policy_map(default, entries):

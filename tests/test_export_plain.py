@@ -71,7 +71,8 @@ kept = {}
 for layer in model.layers:
     kept[layer.name] = [layer.compute_dtype,
                         sorted({str(w.dtype) for w in layer.weights})]
-mha = [l for l in model.layers if isinstance(l, keras.layers.MultiHeadAttention)]
+MHA = keras.layers.MultiHeadAttention
+mha = [l for l in model.layers if isinstance(l, MHA)]
 if mha:
     kept["mha/softmax"] = [mha[0]._softmax.compute_dtype, []]
 print("RESULT " + json.dumps({"y": y.tolist(), "layers": kept}))

@@ -26,6 +26,7 @@ CHILD = textwrap.dedent("""
     import os, sys, time
     import numpy as np, keras
     from kerasmp import export as kx
+    from kerasmp import _publish
 
     path, overwrite, ready, go = sys.argv[1:5]
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
@@ -35,11 +36,11 @@ CHILD = textwrap.dedent("""
         while not os.path.exists(go):
             time.sleep(0.02)
 
-    kx._before_publish = pause
+    _publish._before_publish = pause
     if mode == "no_renameat2":
         # The fallback: two renames; die between them.
         import signal
-        kx._renameat2_fn = False
+        _publish._renameat2_fn = False
         real = os.rename
         def rename(a, b):
             real(a, b)
