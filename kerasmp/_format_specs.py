@@ -90,7 +90,7 @@ FORMATS = tuple(SPECS)
 def _check_choice(value, allowed, argname, context=""):
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(
-            f"Invalid `{argname}`{context}: {value!r}. Allowed values: "
+            f"Invalid `{argname}` {value!r}{context}. Allowed values: "
             f"{', '.join(repr(a) for a in allowed)}."
         )
 

@@ -17,6 +17,7 @@ reach), `build` raises `NotExpressible` naming the layer.
 """
 
 import copy
+import re
 
 import keras
 import numpy as np
@@ -98,8 +99,8 @@ def _rebuild(config, model):
     except Exception as e:  # any failure of a user's from_config
         raise NotExpressible(
             f"format='keras' cannot write {model.name!r} as a plain Keras "
-            f"file: its config does not rebuild it ({type(e).__name__}: "
-            f"{str(e)[:200]}); export to {OTHER_FORMATS} instead."
+            f"file: its config does not rebuild it ({_root_cause(e)}); "
+            f"export to {OTHER_FORMATS} instead."
         ) from e
     if not rebuilt.built:
         raise NotExpressible(
@@ -108,6 +109,19 @@ def _rebuild(config, model):
             f"config); export to {OTHER_FORMATS} instead."
         )
     return rebuilt
+
+
+def _root_cause(e):
+    """The first line of the innermost exception, or Keras's "Could not
+    locate class" sentence (naming the unregistered class) when present."""
+    m = re.search(r"Could not locate class '[^']+'", str(e))
+    if m:
+        return m.group(0) + " (register it with "\
+            "@keras.saving.register_keras_serializable())"
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 class _float32_global:
