@@ -31,6 +31,7 @@ from kerasmp._layers import walk
 
 ONNX_PACKAGES = SPECS["onnx"].packages
 _PREDICT_BATCH = 128
+DEFAULT_LENGTH = 16  # unknown dimensions of the default parity inputs
 
 
 def _sanitize(name, i):
@@ -100,7 +101,8 @@ def draw_inputs(model, specs, n, seed=0):
       in `[0, 1 / |scale|)` (raw pixels for `scale=1/255`);
     - float inputs read first by an adapted `Normalization`: normal with
       its mean and variance;
-    - other float inputs: uniform in `[0, 1)` (the documented default).
+    - other float inputs: uniform in `[0, 1)` (the documented default);
+    - an unknown dimension (a sequence length) is `DEFAULT_LENGTH` (16).
     """
     rng = np.random.default_rng(seed)
     vocab = [
@@ -109,12 +111,8 @@ def draw_inputs(model, specs, n, seed=0):
     ]
     arrays = []
     for name, shape, dtype in specs:
-        if any(d is None for d in shape[1:]):
-            raise ValueError(
-                f"Input {name!r} has an unknown dimension {shape}; pass "
-                "`sample=` (`--sample FILE`) with real inputs."
-            )
-        full = (n,) + tuple(shape[1:])
+        full = (n,) + tuple(
+            DEFAULT_LENGTH if d is None else d for d in shape[1:])
         if is_float(dtype):
             front = _front_layer(model, name)
             if isinstance(front, keras.layers.Rescaling):
@@ -213,7 +211,8 @@ def parity(reference, outputs):
     Returns:
         A dict: `max_abs_diff` (largest |difference| over all outputs),
         `rel_diff` (per output, max |difference| divided by the range of
-        the float32 output, max - min; the worst output's value: a
+        the float32 output, max - min, or its largest |value| when that is
+        larger (a near-constant output); the worst output's value: a
         scale-free figure, the same for logits of size 30 and probabilities
         of size 1e-3), `rel_diffs` (one per output) and `top1` (fraction of
         rows with the same argmax over the last axis, for outputs with more
@@ -233,7 +232,8 @@ def parity(reference, outputs):
         peak = float(diff.max()) if diff.size else 0.0
         worst = max(worst, peak)
         finite = r[np.isfinite(r)]
-        span = float(finite.max() - finite.min()) if finite.size else 0.0
+        span = (max(float(finite.max() - finite.min()),
+                    float(np.abs(finite).max())) if finite.size else 0.0)
         rels.append(peak / span if span > 0 else (0.0 if peak == 0
                                                   else float("inf")))
         if r.ndim >= 2 and r.shape[-1] > 1:

@@ -4,7 +4,10 @@ The `.keras` export. The model's own config is kept, and every layer's
 `dtype` entry becomes one stock `keras.dtype_policies.DTypePolicyMap`: its
 default policy is the half-precision dtype (`"float16"` or `"bfloat16"`:
 half-precision variables and computations), and it maps the `Layer.path` of
-each layer kerasmp keeps in float32 to `"float32"`. Keras resolves a layer's
+each layer kerasmp keeps in float32 to `"float32"` (a stock normalization
+layer that a layer's own code creates gets `"mixed_float16"`: float32
+variables and arithmetic, its output handed back in float16, as kerasmp
+does for a kept layer nested in a half-precision one). Keras resolves a layer's
 dtypes through such a map by the layer's own path, also for the sublayers a
 layer creates itself with `dtype=self.dtype_policy` (the softmax inside
 `MultiHeadAttention`, the layers of a keras-hub block), so the file says
@@ -18,6 +21,7 @@ reach), `build` raises `NotExpressible` naming the layer.
 
 import copy
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -27,6 +31,10 @@ from kerasmp._layers import walk
 
 # Each non-.keras format works without a config round trip.
 OTHER_FORMATS = "'savedmodel', 'tflite' or 'onnx'"
+# Stock normalization layers: float32 arithmetic inside under a mixed policy.
+_UPCASTING = (keras.layers.BatchNormalization,
+              keras.layers.LayerNormalization,
+              keras.layers.GroupNormalization)
 _POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
 
 
@@ -99,7 +107,7 @@ def _rebuild(config, model):
     except Exception as e:  # any failure of a user's from_config
         raise NotExpressible(
             f"format='keras' cannot write {model.name!r} as a plain Keras "
-            f"file: its config does not rebuild it ({_root_cause(e)}); "
+            f"file: its config does not rebuild it ({root_cause(e)}); "
             f"export to {OTHER_FORMATS} instead."
         ) from e
     if not rebuilt.built:
@@ -111,7 +119,7 @@ def _rebuild(config, model):
     return rebuilt
 
 
-def _root_cause(e):
+def root_cause(e):
     """The first line of the innermost exception, or Keras's "Could not
     locate class" sentence (naming the unregistered class) when present."""
     m = re.search(r"Could not locate class '[^']+'", str(e))
@@ -160,7 +168,7 @@ def _pairs(model, rebuilt):
     return [(p, a, b) for (p, a), (_, b) in zip(source, copy)]
 
 
-def build(model, dtype, keep_float32=None):
+def build(model, dtype, keep_float32=None, check=None):
     """Returns `(plain model, {path: reason} of layers kept in float32)`.
 
     The plain model is a stock Keras model rebuilt from `model`'s config
@@ -168,18 +176,63 @@ def build(model, dtype, keep_float32=None):
     float32 master weights of `model` rounded once to `dtype` (float32 for
     the kept layers).
 
+    A kept layer that Keras gives no `Layer.path` (a `Softmax` has no
+    build) is reached through its parent's map default, which then makes
+    the parent's other pathless sublayers (its `Dropout`) float32 as well.
+    If `check(plain model)` raises with that (a parent's own code adding a
+    float32 to a float16 tensor), the model is rebuilt with those layers in
+    the half-precision dtype, with a warning naming them; they are left out
+    of the returned kept layers.
+
     Raises:
         NotExpressible: naming the layer, before anything is written.
     """
     p = _half.plan(model, dtype, keep_float32)
-    kept = p["kept_float32"]
+    kept = dict(p["kept_float32"])
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)  # inference only: no optimizer
     # Pass 1 learns each rebuilt layer's `Layer.path` (the maps' keys).
     probe = _rebuild(_replace_policies(config, _policy_map(dtype, {})),
                      model)
-    pairs = _pairs(model, probe)
-    wpath = {id(b): p for p, _, b in pairs}
+    wpath = {id(b): p for p, _, b in _pairs(model, probe)}
+    try:
+        rebuilt, _ = _attempt(model, dtype, kept, config, probe, wpath,
+                              pathless_float32=True, check=check)
+        return rebuilt, kept
+    except _RunFailed as first:
+        try:
+            rebuilt, pathless = _attempt(
+                model, dtype, kept, config, probe, wpath,
+                pathless_float32=False, check=check)
+        except _RunFailed as e:
+            raise NotExpressible(
+                f"format='keras' cannot write {model.name!r} as a plain "
+                "Keras file: with stock dtype policies it fails to run "
+                f"({root_cause(e.__cause__)}); export to {OTHER_FORMATS} "
+                "instead.") from e.__cause__
+        if not pathless:
+            raise NotExpressible(
+                f"format='keras' cannot write {model.name!r} as a plain "
+                "Keras file: with stock dtype policies it fails to run "
+                f"({root_cause(first.__cause__)}); export to "
+                f"{OTHER_FORMATS} instead.") from first.__cause__
+        warnings.warn(
+            f"kerasmp.export: in the .keras file of {model.name!r}, "
+            f"{', '.join(repr(x) for x in pathless)} compute in {dtype}, "
+            "not float32: stock dtype policies reach a layer without a "
+            "Keras path only through its parent's default, and that made "
+            "the parent fail to run; 'savedmodel', 'tflite' and 'onnx' "
+            "keep them in float32.", stacklevel=3)
+        return rebuilt, {k: v for k, v in kept.items() if k not in pathless}
+
+
+class _RunFailed(Exception):
+    pass
+
+
+def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
+             check):
+    handed_back, pathless = set(), []
 
     def node_policy(layer):
         if layer is None:
@@ -187,19 +240,33 @@ def build(model, dtype, keep_float32=None):
         family = [(wpath.get(id(l), ""), l)
                   for l in [layer] + [l for _, l in walk(layer)]]
         entries, pathless_kept = {}, False
-        for path, sub in family:
+        for i, (path, sub) in enumerate(family):
             name = "float32" if path in kept else dtype
+            if name == "float32" and i > 0 and isinstance(sub, _UPCASTING):
+                # Created by its parent's own code, which may add its
+                # output to a half-precision tensor: as kerasmp hands a
+                # float32 output back in the parent's dtype, the stock
+                # mixed policy keeps float32 variables and arithmetic and
+                # returns the parent's dtype.
+                name = f"mixed_{dtype}"
+                handed_back.add(path)
             if sub.path:
                 entries[sub.path] = name
             elif path in kept:
                 pathless_kept = True
-        return _policy_map("float32" if pathless_kept else dtype, entries)
+                if path not in pathless:
+                    pathless.append(path)
+        default = "float32" if pathless_kept and pathless_float32 else dtype
+        return _policy_map(default, entries)
 
     rebuilt = _rebuild(_rewrite(config, probe, node_policy), model)
     for path, src, layer in _pairs(model, rebuilt):
         if (path in kept and not _half.is_container(layer)
                 and _half.is_float(layer.compute_dtype)
-                and layer.compute_dtype != "float32"):
+                and layer.compute_dtype != "float32"
+                and not (path in handed_back
+                         and layer.variable_dtype == "float32")
+                and not (path in pathless and not pathless_float32)):
             raise NotExpressible(
                 f"format='keras' cannot write {model.name!r} as a plain "
                 f"Keras file: layer {path!r} ({type(layer).__name__}) "
@@ -218,4 +285,9 @@ def build(model, dtype, keep_float32=None):
     for s, c in zip(sources, copies):
         value = _half.numpy_value(s)
         c.assign(value.astype(np.dtype(str(c.dtype))))
-    return rebuilt, kept
+    if check is not None:
+        try:
+            check(rebuilt)
+        except Exception as e:
+            raise _RunFailed() from e
+    return rebuilt, pathless

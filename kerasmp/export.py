@@ -295,13 +295,16 @@ def _check_gate(value, argname):
                          f">= 0. Received: {value!r}")
 
 
-def _artifact_model(fmt, model, model32, dtype, keep_float32):
+def _artifact_model(fmt, model, model32, dtype, keep_float32, arrays):
     """What the format's writer gets, and `{path: reason}` kept float32."""
     if dtype == "float32":
         return model32, {}
     if fmt.source == "plain":
+        few = [a[:8] for a in arrays]
         try:
-            return _plain_keras.build(model, dtype, keep_float32)
+            return _plain_keras.build(
+                model, dtype, keep_float32,
+                check=lambda plain: _io.predict_keras(plain, few))
         except NotImplementedError as e:  # no get_config()
             raise _plain_keras.NotExpressible(
                 f"format='keras' cannot write {model.name!r} as a plain "
@@ -406,13 +409,22 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     model32, _ = _half.convert(model, "float32")
     reference = _io.predict_keras(model32, arrays)
     artifact, kept = _artifact_model(fmt, model, model32, dtype,
-                                     keep_float32)
+                                     keep_float32, arrays)
     with _publish.Staging(path) as stage:
         staged = os.path.join(stage.dir, stage.name)
         baseline = os.path.join(stage.dir, "float32-" + stage.name)
         fmt.write(artifact, staged, specs, dtype, io_dtype)
         fmt.write(model32, baseline, specs, "float32", io_dtype)
-        outs, ins, outd = fmt.run(staged, arrays, specs)
+        try:
+            outs, ins, outd = fmt.run(staged, arrays, specs)
+        except Exception as e:
+            if fmt.source != "plain" or isinstance(e, ValueError):
+                raise
+            raise _plain_keras.NotExpressible(
+                f"format='keras' cannot write {model.name!r} as a plain "
+                "Keras file: with stock dtype policies it fails to run "
+                f"({_plain_keras.root_cause(e)}); export to "
+                f"{_plain_keras.OTHER_FORMATS} instead.") from e
         p = _io.parity(reference, outs)
         weights = fmt.weights(staged)
         master = _io.master_weight_bytes(model)
