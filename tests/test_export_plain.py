@@ -11,6 +11,7 @@ References: the float32 model rebuilt by its builder with the master weights
 import json
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -252,3 +253,70 @@ def test_cli_default_export_passes_on_demo_model(tmp_path):
         report = json.loads(proc.stdout[proc.stdout.index("{"):])
         assert report["rel_diff"] <= 2e-2 and report["inputs"] == (
             "default draws")
+
+
+def _hub_bert():
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    with policy_scope(Policy("mixed_float16")):
+        return keras_hub.models.BertBackbone(
+            vocabulary_size=2048, num_layers=2, num_heads=2, hidden_dim=32,
+            intermediate_dim=64, max_sequence_length=16)
+
+
+def _application():
+    with policy_scope(Policy("mixed_float16")):
+        return keras.applications.MobileNetV3Small(
+            input_shape=(32, 32, 3), weights=None, minimalistic=True,
+            alpha=0.75, classes=10)
+
+
+HUB_LOAD = BLOCK_KERASMP + """
+import keras, keras_hub, numpy as np
+model = keras.saving.load_model(sys.argv[1], compile=False)
+d = np.load(sys.argv[2])
+y = model({k: d[k] for k in d.files}, training=False)
+y = keras.ops.convert_to_numpy(y["sequence_output"]).astype("float64")
+print("RESULT " + json.dumps({"y": y.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_keras_hub_plain_keras_loads_without_kerasmp(tmp_path, backend):
+    model = _hub_bert()
+    path = tmp_path / "bert16.keras"
+    with pytest.warns(UserWarning, match="softmax"):
+        report = kx.export(model, str(path), format="keras", gate=True)
+    assert report.weight_ratio <= 0.52
+    specs = kx._io.input_specs(model)
+    arrays = kx._io.draw_inputs(model, specs, 8, seed=3)
+    sample = {name: a for (name, _, _), a in zip(specs, arrays)}
+    np.savez(tmp_path / "x.npz", **sample)
+    proc = subprocess.run(
+        [sys.executable, "-c", HUB_LOAD, str(path), str(tmp_path / "x.npz")],
+        capture_output=True, text=True, env=subprocess_env(backend),
+        timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = np.asarray(json.loads(lines[-1][len("RESULT "):])["y"])
+    with policy_scope("float32"):
+        ref = type(model).from_config(model.get_config())
+    ref.set_weights(model.get_weights())
+    want = keras.ops.convert_to_numpy(ref(sample)["sequence_output"])
+    assert np.max(np.abs(got - want)) / np.ptp(want) <= 2e-2
+
+
+@pytest.mark.parametrize("which", ["keras_hub", "applications"])
+def test_default_gate_passes_on_real_models(tmp_path, which):
+    model = _hub_bert() if which == "keras_hub" else _application()
+    fmts = [("keras", "m.keras")]
+    if BACKEND == "tensorflow":
+        fmts += [("savedmodel", "sm"), ("tflite", "m.tflite")]
+    for fmt, name in fmts:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = kx.export(model, str(tmp_path / name), format=fmt,
+                               gate=True)  # the CLI's default gate
+        assert report.rel_diff <= kx.DEFAULT_MAX_REL_DIFF["float16"]
+        assert report.inputs == "default draws"
+        assert report.weight_ratio <= 0.52
