@@ -300,9 +300,40 @@ def write_keras(model, path, specs, dtype, io_dtype):
     keras.saving.save_model(model, path)
 
 
+def _jax_archive(model, specs, io_dtype):
+    """A `keras.export.ExportArchive` serving `model` from JAX: the route
+    stock `model.export(format="tf_saved_model")` takes (jax2tf), with the
+    same signature as `serving_module`."""
+    import tensorflow as tf
+
+    signature = [
+        tf.TensorSpec(shape, tf.as_dtype(_float_io(dtype, io_dtype)),
+                      name=name)
+        for name, shape, dtype in specs
+    ]
+
+    def to_io(y):
+        if is_float(keras.backend.standardize_dtype(y.dtype)):
+            return keras.ops.cast(y, io_dtype)
+        return y
+
+    def serve(*args):
+        args = [keras.ops.cast(a, d) for a, (_, _, d) in zip(args, specs)]
+        y = model(pack(model, args), training=False)
+        return keras.tree.map_structure(to_io, y)
+
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint("serve", serve, input_signature=signature)
+    return archive
+
+
 def write_savedmodel(model, path, specs, dtype, io_dtype):
     import tensorflow as tf
 
+    if keras.backend.backend() == "jax":
+        _jax_archive(model, specs, io_dtype).write_out(path, verbose=False)
+        return
     module, serve, _ = serving_module(model, specs, io_dtype)
     tf.saved_model.save(
         module, path, signatures={"serving_default": serve}
@@ -312,17 +343,32 @@ def write_savedmodel(model, path, specs, dtype, io_dtype):
 def write_tflite(model, path, specs, dtype, io_dtype):
     """`model` is float32: TFLite runs float16 only as float16 weights in a
     float32 graph, which the converter writes."""
+    import shutil
+
     import tensorflow as tf
 
-    module, serve, _ = serving_module(model, specs, io_dtype)
-    converter = tf.lite.TFLiteConverter.from_concrete_functions(
-        [serve.get_concrete_function()], module
-    )
+    folder = None
+    if keras.backend.backend() == "jax":
+        # From JAX: a SavedModel (jax2tf, as stock Keras exports), then
+        # the converter reads it.
+        folder = path + ".savedmodel"
+        _jax_archive(model, specs, io_dtype).write_out(folder, verbose=False)
+        converter = tf.lite.TFLiteConverter.from_saved_model(folder)
+    else:
+        module, serve, _ = serving_module(model, specs, io_dtype)
+        converter = tf.lite.TFLiteConverter.from_concrete_functions(
+            [serve.get_concrete_function()], module
+        )
     if dtype == "float16":
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
         converter.target_spec.supported_types = [tf.float16]
+    try:
+        flat = converter.convert()
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     with open(path, "wb") as f:
-        f.write(converter.convert())
+        f.write(flat)
 
 
 def _onnx_erfc_to_erf(proto):
@@ -588,17 +634,17 @@ def weights_onnx(path):
 
 
 def weights_tflite(path):
-    """The bytes of the constant tensors (the weights) in a .tflite file."""
-    interpreter = _tflite_interpreter(path)
+    """The bytes of the constant buffers (the weights) of a .tflite file,
+    read from its flatbuffer (TensorFlow's generated schema)."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    model = schema.Model.GetRootAsModel(data, 0)
     total = 0
-    for d in interpreter.get_tensor_details():
-        try:
-            value = interpreter.get_tensor(d["index"])
-        except ValueError:  # not a constant: no data before invoke
-            continue
-        if d["name"].startswith("serving_default_") or not value.size:
-            continue
-        total += value.nbytes
+    for i in range(model.BuffersLength()):
+        buffer = model.Buffers(i)
+        total += buffer.DataLength()
     return total
 
 

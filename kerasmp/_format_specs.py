@@ -27,7 +27,9 @@ class FormatSpec:
     Attributes:
         name: The `format=` value.
         suffix: The suffix `path` must end in, or None (a folder).
-        needs_tensorflow: Whether it needs `KERAS_BACKEND=tensorflow`.
+        needs_tensorflow: Whether it needs `KERAS_BACKEND=tensorflow`
+            (SavedModel and TFLite are written from JAX too, through
+            TensorFlow when it is installed: `packages`).
         half_dtypes: The half-precision dtypes it can store.
         source: What its writer gets: `"plain"` (a stock Keras copy with
             half-precision variables), `"half"` (`to_float16(model)`) or
@@ -61,14 +63,14 @@ SPECS = {s.name: s for s in (
         read_with="`keras.saving.load_model` (any backend, no kerasmp)",
     ),
     FormatSpec(
-        name="savedmodel", suffix=None, needs_tensorflow=True,
+        name="savedmodel", suffix=None, needs_tensorflow=False,
         half_dtypes=HALF_DTYPES, source="half",
         help="SavedModel folder, serving_default signature",
         read_with="`tf.saved_model.load` (no Keras, no kerasmp)",
         packages=("tensorflow",), extra=None, io_dtypes=IO_DTYPES,
     ),
     FormatSpec(
-        name="tflite", suffix=".tflite", needs_tensorflow=True,
+        name="tflite", suffix=".tflite", needs_tensorflow=False,
         half_dtypes=("float16",), source="float32",
         help=".tflite: float32 graph with float16 weights",
         read_with="`ai_edge_litert.interpreter.Interpreter`",
@@ -154,7 +156,8 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
         raise ValueError(
             f"format={format!r} needs the TensorFlow backend, but this "
             f"process runs Keras on {backend!r}. Set "
-            "KERAS_BACKEND=tensorflow, or use format='keras'."
+            "KERAS_BACKEND=tensorflow, or use format='keras', 'savedmodel' "
+            "or 'tflite'."
         )
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"`path` must be a file path. Received: {path!r}")

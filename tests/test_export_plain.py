@@ -320,3 +320,27 @@ def test_default_gate_passes_on_real_models(tmp_path, which):
         assert report.rel_diff <= kx.DEFAULT_MAX_REL_DIFF["float16"]
         assert report.inputs == "default draws"
         assert report.weight_ratio <= 0.52
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the JAX route (jax2tf)")
+@pytest.mark.parametrize("fmt,name", [("savedmodel", "sm"),
+                                      ("tflite", "m.tflite")])
+def test_jax_to_savedmodel_and_tflite(tmp_path, fmt, name):
+    import tensorflow as tf
+
+    model, ref = _mixed(build_mlp)
+    path = str(tmp_path / name)
+    report = kx.export(model, path, format=fmt, gate=True)
+    x = _inputs(model)
+    if fmt == "savedmodel":
+        fn = tf.saved_model.load(path).signatures["serving_default"]
+        y = next(iter(fn(x=tf.constant(x)).values())).numpy()
+    else:
+        from ai_edge_litert.interpreter import Interpreter
+
+        runner = Interpreter(model_path=path).get_signature_runner(
+            "serving_default")
+        y = next(iter(runner(x=x).values()))
+    want = keras.ops.convert_to_numpy(ref(x))
+    assert np.max(np.abs(y - want)) / np.ptp(want) < 2e-2
+    assert report.rel_diff < 2e-2 and report.input_dtypes == ("float32",)
