@@ -39,12 +39,14 @@ stock Keras.
 
 4. Saving and loading. A kerasmp policy is saved as the stock
    `keras.DTypePolicy` a plain Keras can load (the policy's name, or
-   `"float32"` for an overridden layer) plus a `"kerasmp"` entry that stock
-   Keras ignores, so a `.keras` file loads without kerasmp with the same
-   per-layer dtypes. With kerasmp, `dtype_policies.deserialize` rebuilds the
-   kerasmp policy from that entry (accepting only kerasmp's own classes), and
-   `Operation.from_config` passes the policy *object* to the constructor
-   (stock Keras passes only its name) with the layer's kerasmp policy made
+   `"float32"` for an overridden layer; a stock normalization layer's
+   override is saved under the governing mixed policy's name, which stock
+   Keras computes the same way: `portable_policy_name`) plus a `"kerasmp"`
+   entry that stock Keras ignores, so a `.keras` file loads without kerasmp
+   with the same predictions. With kerasmp, `dtype_policies.deserialize`
+   rebuilds the kerasmp policy from that entry (accepting only kerasmp's
+   own classes), and `Operation.from_config` passes the policy *object* to
+   the constructor (stock Keras passes only its name) with the layer's kerasmp policy made
    global while the constructor runs, so sublayers that a custom layer
    creates in `__init__` with `dtype=None` get it too.
 
@@ -233,11 +235,39 @@ def _compile(self, *args, **kwargs):
 _KERASMP_KEY = "kerasmp"
 
 
+# Stock normalization layers: float32 arithmetic inside, output in the
+# compute dtype (docs/keras-internals: BatchNormalization, LayerNormalization,
+# GroupNormalization upcast and cast back).
+_UPCASTING_RULES = ("BatchNormalization", "LayerNormalization",
+                    "GroupNormalization")
+
+
+def portable_policy_name(policy):
+    """The stock policy name a kerasmp policy is saved under.
+
+    A kerasmp float32 override of a stock normalization layer is saved as
+    its governing policy's name (`"mixed_float16"`): stock Keras then rounds
+    the layer's input to float16, computes in float32 with float32 weights
+    and returns float16, which is what kerasmp computes inside a model (the
+    float32 output handed back). Saved as `"float32"`, a load without
+    kerasmp would skip that rounding wherever a container whose
+    `from_config` drops its dtype (a nested `Sequential`, issue 16 #7)
+    used to round the input. Any other policy keeps its own name.
+    """
+    governing = getattr(policy, "policy", None)
+    if (getattr(policy, "rule", None) in _UPCASTING_RULES
+            and isinstance(governing, _policy_cls)
+            and governing.compute_dtype in ("float16", "bfloat16")):
+        return governing.name
+    return policy.name
+
+
 def _serialize(policy):
     """`dtype_policies.serialize` that stock Keras can read back."""
     if not isinstance(policy, tuple(_saved_classes.values())):
         return _originals["serialize"](policy)
-    config = _originals["serialize"](keras.DTypePolicy(policy.name))
+    config = _originals["serialize"](
+        keras.DTypePolicy(portable_policy_name(policy)))
     config[_KERASMP_KEY] = {
         "class_name": type(policy).__name__,
         "config": policy.get_config(),

@@ -344,3 +344,44 @@ def test_jax_to_savedmodel_and_tflite(tmp_path, fmt, name):
     want = keras.ops.convert_to_numpy(ref(x))
     assert np.max(np.abs(y - want)) / np.ptp(want) < 2e-2
     assert report.rel_diff < 2e-2 and report.input_dtypes == ("float32",)
+
+
+CONVNEXT_LOAD = BLOCK_KERASMP + """
+import keras, numpy as np
+model = keras.saving.load_model(sys.argv[1], compile=False)
+y = keras.ops.convert_to_numpy(model(np.load(sys.argv[2]))).astype("float64")
+print("RESULT " + json.dumps({"y": y.tolist()}))
+"""
+
+
+def test_convnext_saved_under_kerasmp_predicts_the_same_without_it(
+        tmp_path):
+    # Issue 16 #7: keras.applications ConvNeXt code, small depths. Its
+    # nested Sequential `..._downsampling_block_0` (LayerNormalization then
+    # Conv2D) loses its dtype in Sequential.from_config; saved as "float32",
+    # the LayerNormalization then got unrounded inputs without kerasmp
+    # (relative 1.9e-4 measured before the fix).
+    from keras.applications import ConvNeXtTiny
+
+    convnext = __import__(ConvNeXtTiny.__module__, fromlist=["ConvNeXt"])
+    with policy_scope(Policy("mixed_float16")):
+        model = convnext.ConvNeXt(
+            depths=[1, 1, 1, 1], projection_dims=[8, 16, 32, 64],
+            input_shape=(32, 32, 3), weights=None, classes=10,
+            name="tiny_convnext")
+    x = np.random.default_rng(0).uniform(0, 255, (8, 32, 32, 3)).astype(
+        "float32")
+    want = keras.ops.convert_to_numpy(model(x)).astype("float64")
+    path = tmp_path / "convnext.keras"
+    model.save(path)
+    np.save(tmp_path / "x.npy", x)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONVNEXT_LOAD, str(path),
+         str(tmp_path / "x.npy")],
+        capture_output=True, text=True, env=subprocess_env(BACKEND),
+        timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = np.asarray(json.loads(lines[-1][len("RESULT "):])["y"])
+    # Same arithmetic, same predictions (stock save/load is exact too).
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
