@@ -44,11 +44,11 @@ stock Keras.
    Keras computes the same way: `portable_policy_name`) plus a `"kerasmp"`
    entry that stock Keras ignores, so a `.keras` file loads without kerasmp
    with the same predictions. With kerasmp, `dtype_policies.deserialize`
-   rebuilds the kerasmp policy from that entry (accepting only kerasmp's
-   own classes), and `Operation.from_config` passes the policy *object* to
-   the constructor (stock Keras passes only its name) with the layer's kerasmp policy made
-   global while the constructor runs, so sublayers that a custom layer
-   creates in `__init__` with `dtype=None` get it too.
+   rebuilds the kerasmp policy from that entry (accepting only kerasmp's own
+   classes), and `Operation.from_config` passes the policy *object* to the
+   constructor (stock Keras passes only its name) with the layer's kerasmp
+   policy made global while the constructor runs, so sublayers that a custom
+   layer creates in `__init__` with `dtype=None` get it too.
 
 This module is the patching half of kerasmp's seam to Keras: it decides
 *what* changes. Every Keras class, module and private attribute it patches
