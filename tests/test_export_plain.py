@@ -385,3 +385,25 @@ def test_convnext_saved_under_kerasmp_predicts_the_same_without_it(
     got = np.asarray(json.loads(lines[-1][len("RESULT "):])["y"])
     # Same arithmetic, same predictions (stock save/load is exact too).
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+
+
+def test_docs_say_what_each_artifact_needs_to_load():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    export_md = (docs / "export.md").read_text(encoding="utf-8")
+    guide = (docs / "guide.md").read_text(encoding="utf-8")
+    section = export_md[export_md.index("### What each artifact needs"):]
+    section = section[:section.index("### Caveats")]
+    loaders = {"keras": "keras.saving.load_model",
+               "savedmodel": "tf.saved_model.load",
+               "tflite": "Interpreter", "onnx": "onnxruntime"}
+    for name, spec in _format_specs.SPECS.items():
+        assert f"- `{name}`:" in section, name
+        assert loaders[name] in section and loaders[name] in guide
+        if spec.extra:
+            assert f"pip install kerasmp[{spec.extra}]" in section
+            assert f"kerasmp[{spec.extra}]" in guide
+    # The .keras is plain Keras: what the test above loads without kerasmp.
+    assert "without kerasmp" in section and "without\nkerasmp" in guide
+    assert "Loading needs `import kerasmp`" not in export_md
