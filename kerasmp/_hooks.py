@@ -248,11 +248,12 @@ def portable_policy_name(policy):
     A kerasmp float32 override of a stock normalization layer is saved as
     its governing policy's name (`"mixed_float16"`): stock Keras then rounds
     the layer's input to float16, computes in float32 with float32 weights
-    and returns float16, which is what kerasmp computes inside a model (the
-    float32 output handed back). Saved as `"float32"`, a load without
-    kerasmp would skip that rounding wherever a container whose
-    `from_config` drops its dtype (a nested `Sequential`, issue 16 #7)
-    used to round the input. Any other policy keeps its own name.
+    and returns float16, which is what kerasmp computes inside a model (its
+    float32 output handed back, section 2). Saved as `"float32"`, a load
+    without kerasmp returned unrounded float32 outputs into residual adds,
+    and lost the rounding of the input where a container whose
+    `from_config` drops its dtype (a nested `Sequential`: ConvNeXt, issue
+    16 #7) used to do it. Any other policy keeps its own name.
     """
     governing = getattr(policy, "policy", None)
     if (getattr(policy, "rule", None) in _UPCASTING_RULES
