@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from kerasmp import _half
+from kerasmp import _keras_internals as _ki
 from kerasmp._layers import walk
 
 # Each non-.keras format works without a config round trip.
@@ -272,6 +273,17 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
                 f"Keras file: layer {path!r} ({type(layer).__name__}) "
                 f"would compute in {layer.compute_dtype}, not float32, "
                 "because stock dtype policies cannot reach it; export to "
+                f"{OTHER_FORMATS} instead."
+            )
+        if (path not in kept and layer.path and any(
+                _half.is_float(v.dtype) for v in _ki.own_variables(layer))
+                and layer.variable_dtype != dtype):
+            raise NotExpressible(
+                f"format='keras' cannot write {model.name!r} as a plain "
+                f"Keras file: layer {path!r} ({type(layer).__name__}) "
+                f"would store {layer.variable_dtype} weights, not {dtype} "
+                "(its parent creates it without passing its dtype policy, "
+                "so stock Keras gives it the global policy); export to "
                 f"{OTHER_FORMATS} instead."
             )
     sources = _half.unique_variables(model)
