@@ -152,13 +152,6 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
             f"format={format!r} needs {', '.join(missing)}, which is not "
             f"installed: {hint}."
         )
-    if spec.needs_tensorflow and backend not in (None, "tensorflow"):
-        raise ValueError(
-            f"format={format!r} needs the TensorFlow backend, but this "
-            f"process runs Keras on {backend!r}. Set "
-            "KERAS_BACKEND=tensorflow, or use format='keras', 'savedmodel' "
-            "or 'tflite'."
-        )
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"`path` must be a file path. Received: {path!r}")
     path = os.fspath(path)
@@ -168,6 +161,13 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
         raise ValueError(
             f"Invalid `path` for format={format!r}: {path!r} must end in "
             f"{spec.suffix!r}."
+        )
+    if spec.needs_tensorflow and backend not in (None, "tensorflow"):
+        raise ValueError(
+            f"format={format!r} needs the TensorFlow backend, but this "
+            f"process runs Keras on {backend!r}. Set "
+            "KERAS_BACKEND=tensorflow, or use format='keras', 'savedmodel' "
+            "or 'tflite'."
         )
     _publish.refuse_dangerous(path)
     if not isinstance(overwrite, bool):
