@@ -26,10 +26,12 @@ from kerasmp._half import HalfModel
 from kerasmp._half import is_float
 from kerasmp._half import is_graph_model
 from kerasmp._half import numpy_value
+from kerasmp._half import unique_variables
 from kerasmp._layers import walk
 
 ONNX_PACKAGES = SPECS["onnx"].packages
 _PREDICT_BATCH = 128
+DEFAULT_LENGTH = 16  # unknown dimensions of the default parity inputs
 
 
 def _sanitize(name, i):
@@ -77,8 +79,31 @@ def input_specs(model):
     return out
 
 
+def _front_layer(model, name):
+    """The first layer that reads input `name` of a graph model, or None."""
+    if not is_graph_model(model):
+        return None
+    for _, layer in walk(model):
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        if isinstance(layer, keras.Model):
+            return _front_layer(layer, name)
+        return layer if len(keras.tree.flatten(model.inputs)) == 1 else None
+    return None
+
+
 def draw_inputs(model, specs, n, seed=0):
-    """Random inputs for each spec: N(0, 1) floats, valid integer ids."""
+    """Parity inputs for each spec that respect what the model says.
+
+    - integer inputs: token ids uniform in `[0, vocabulary)` of the
+      smallest `Embedding` (else 0 or 1); inputs named `*mask*`: all ones;
+    - float inputs read first by a `Rescaling(scale, offset)` layer: uniform
+      in `[0, 1 / |scale|)` (raw pixels for `scale=1/255`);
+    - float inputs read first by an adapted `Normalization`: normal with
+      its mean and variance;
+    - other float inputs: uniform in `[0, 1)` (the documented default);
+    - an unknown dimension (a sequence length) is `DEFAULT_LENGTH` (16).
+    """
     rng = np.random.default_rng(seed)
     vocab = [
         l.input_dim for _, l in walk(model)
@@ -86,16 +111,27 @@ def draw_inputs(model, specs, n, seed=0):
     ]
     arrays = []
     for name, shape, dtype in specs:
-        if any(d is None for d in shape[1:]):
-            raise ValueError(
-                f"Input {name!r} has an unknown dimension {shape}; pass "
-                "`sample=` with real inputs."
-            )
-        full = (n,) + tuple(shape[1:])
+        full = (n,) + tuple(
+            DEFAULT_LENGTH if d is None else d for d in shape[1:])
         if is_float(dtype):
-            arrays.append(rng.standard_normal(full).astype(dtype))
+            front = _front_layer(model, name)
+            if isinstance(front, keras.layers.Rescaling):
+                high = 1.0 / max(abs(float(np.max(front.scale))), 1e-12)
+                x = rng.uniform(0.0, high, full)
+            elif isinstance(front, keras.layers.Normalization) and getattr(
+                front, "mean", None
+            ) is not None:
+                mean = numpy_value(front.mean)
+                std = np.sqrt(numpy_value(front.variance))
+                x = rng.standard_normal(full) * std + mean
+            else:
+                x = rng.uniform(0.0, 1.0, full)
+            arrays.append(x.astype(dtype))
         elif dtype == "bool":
-            arrays.append(rng.integers(0, 2, full).astype(bool))
+            arrays.append(np.ones(full, bool) if "mask" in name
+                          else rng.integers(0, 2, full).astype(bool))
+        elif "mask" in name:
+            arrays.append(np.ones(full, dtype))
         else:
             high = min(vocab) if vocab else 2
             arrays.append(rng.integers(0, high, full).astype(dtype))
@@ -170,24 +206,41 @@ def predict_keras(model, arrays):
 
 
 def parity(reference, outputs):
-    """`(max |difference|, top-1 agreement or None)` over all outputs."""
+    """Compares the artifact's outputs with the float32 reference.
+
+    Returns:
+        A dict: `max_abs_diff` (largest |difference| over all outputs),
+        `rel_diff` (per output, max |difference| divided by the range of
+        the float32 output, max - min, or its largest |value| when that is
+        larger (a near-constant output); the worst output's value: a
+        scale-free figure, the same for logits of size 30 and probabilities
+        of size 1e-3), `rel_diffs` (one per output) and `top1` (fraction of
+        rows with the same argmax over the last axis, for outputs with more
+        than one unit; None if none). inf where the artifact gives inf/NaN.
+    """
     if len(reference) != len(outputs):
         raise ValueError(
             f"The exported model returns {len(outputs)} outputs; the "
             f"original returns {len(reference)}."
         )
-    worst, agree = 0.0, []
+    worst, rels, agree = 0.0, [], []
     for r, o in zip(reference, outputs):
         r = r.astype(np.float64)
         o = np.asarray(o).astype(np.float64).reshape(r.shape)
         diff = np.abs(r - o)
         diff[~np.isfinite(diff)] = np.inf
-        if diff.size:
-            worst = max(worst, float(diff.max()))
+        peak = float(diff.max()) if diff.size else 0.0
+        worst = max(worst, peak)
+        finite = r[np.isfinite(r)]
+        span = (max(float(finite.max() - finite.min()),
+                    float(np.abs(finite).max())) if finite.size else 0.0)
+        rels.append(peak / span if span > 0 else (0.0 if peak == 0
+                                                  else float("inf")))
         if r.ndim >= 2 and r.shape[-1] > 1:
             agree.append((r.argmax(-1) == o.argmax(-1)).ravel())
     top1 = float(np.concatenate(agree).mean()) if agree else None
-    return worst, top1
+    return {"max_abs_diff": worst, "rel_diff": max(rels, default=0.0),
+            "rel_diffs": rels, "top1": top1}
 
 
 # --------------------------------------------------------------------------
@@ -205,12 +258,21 @@ def size(path):
     )
 
 
-def serving_module(model, specs):
-    """A `tf.Module` that tracks each variable once and serves `model`."""
+def _float_io(dtype, io_dtype):
+    return io_dtype if is_float(dtype) else dtype
+
+
+def serving_module(model, specs, io_dtype="float32"):
+    """A `tf.Module` that tracks each variable once and serves `model`.
+
+    Its function takes the float inputs in `io_dtype` (cast to what the
+    model expects) and returns the float outputs in `io_dtype`.
+    """
     import tensorflow as tf
 
     signature = [
-        tf.TensorSpec(shape, tf.as_dtype(dtype), name=name)
+        tf.TensorSpec(shape, tf.as_dtype(_float_io(dtype, io_dtype)),
+                      name=name)
         for name, shape, dtype in specs
     ]
     module = tf.Module()
@@ -218,61 +280,95 @@ def serving_module(model, specs):
     # Keras's wrappers as well and stores every variable twice (keras#23553).
     module.model_variables = [v.value for v in model.variables]
 
+    def to_io(y):
+        if y.dtype.is_floating and y.dtype.name != io_dtype:
+            return tf.cast(y, io_dtype)
+        return y
+
     @tf.function(input_signature=signature)
     def serve(*args):
-        return model(pack(model, list(args)), training=False)
+        args = [tf.cast(a, d) if a.dtype.name != d else a
+                for a, (_, _, d) in zip(args, specs)]
+        y = model(pack(model, args), training=False)
+        return tf.nest.map_structure(to_io, y)
 
     module.serve = serve
-    return module, serve
+    return module, serve, signature
 
 
-def write_keras(model, path):
-    try:
-        keras.saving.save_model(model, path)
-    except NotImplementedError as e:
-        raise TypeError(_no_config_message(model, e)) from e
+def write_keras(model, path, specs, dtype, io_dtype):
+    keras.saving.save_model(model, path)
 
 
-def _no_config_message(model, e):
-    source = model.source_model() if isinstance(model, HalfModel) else model
-    return (
-        f"format='keras' needs the model's get_config(): "
-        f"{type(source).__name__} ({source.name!r}) has none usable. Add "
-        "get_config() returning its __init__ arguments, or "
-        "export to 'savedmodel', 'tflite' or 'onnx', which need no config."
-    )
-
-
-def check_config(model):
-    """Raises TypeError early when `model` cannot be saved as `.keras`."""
-    try:
-        keras.saving.serialize_keras_object(model)
-    except NotImplementedError as e:
-        raise TypeError(_no_config_message(model, e)) from e
-
-
-def write_savedmodel(model, path, specs):
+def _jax_archive(model, specs, io_dtype):
+    """A `keras.export.ExportArchive` serving `model` from JAX: the route
+    stock `model.export(format="tf_saved_model")` takes (jax2tf), with the
+    same signature as `serving_module`."""
     import tensorflow as tf
 
-    module, serve = serving_module(model, specs)
+    signature = [
+        tf.TensorSpec(shape, tf.as_dtype(_float_io(dtype, io_dtype)),
+                      name=name)
+        for name, shape, dtype in specs
+    ]
+
+    def to_io(y):
+        if is_float(keras.backend.standardize_dtype(y.dtype)):
+            return keras.ops.cast(y, io_dtype)
+        return y
+
+    def serve(*args):
+        args = [keras.ops.cast(a, d) for a, (_, _, d) in zip(args, specs)]
+        y = model(pack(model, args), training=False)
+        return keras.tree.map_structure(to_io, y)
+
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint("serve", serve, input_signature=signature)
+    return archive
+
+
+def write_savedmodel(model, path, specs, dtype, io_dtype):
+    import tensorflow as tf
+
+    if keras.backend.backend() == "jax":
+        _jax_archive(model, specs, io_dtype).write_out(path, verbose=False)
+        return
+    module, serve, _ = serving_module(model, specs, io_dtype)
     tf.saved_model.save(
         module, path, signatures={"serving_default": serve}
     )
 
 
-def write_tflite(model32, path, specs, dtype):
+def write_tflite(model, path, specs, dtype, io_dtype):
+    """`model` is float32: TFLite runs float16 only as float16 weights in a
+    float32 graph, which the converter writes."""
+    import shutil
+
     import tensorflow as tf
 
-    module, serve = serving_module(model32, specs)
-    converter = tf.lite.TFLiteConverter.from_concrete_functions(
-        [serve.get_concrete_function()], module
-    )
+    folder = None
+    if keras.backend.backend() == "jax":
+        # From JAX: a SavedModel (jax2tf, as stock Keras exports), then
+        # the converter reads it.
+        folder = path + ".savedmodel"
+        _jax_archive(model, specs, io_dtype).write_out(folder, verbose=False)
+        converter = tf.lite.TFLiteConverter.from_saved_model(folder)
+    else:
+        module, serve, _ = serving_module(model, specs, io_dtype)
+        converter = tf.lite.TFLiteConverter.from_concrete_functions(
+            [serve.get_concrete_function()], module
+        )
     if dtype == "float16":
-        # TFLite runs float16 only as float16 weights in a float32 graph.
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
         converter.target_spec.supported_types = [tf.float16]
+    try:
+        flat = converter.convert()
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     with open(path, "wb") as f:
-        f.write(converter.convert())
+        f.write(flat)
 
 
 def _onnx_erfc_to_erf(proto):
@@ -376,24 +472,19 @@ def _onnx_half_initializers(proto):
     return proto
 
 
-def write_onnx(model, path, specs):
+def write_onnx(model, path, specs, dtype, io_dtype):
     """Converts `model`'s serving function with tf2onnx (opset 17).
 
     `model` is the half-precision `HalfModel` (or the float32 one): tf2onnx
     converts its float16 graph as traced, float16 weights included, with
-    the model's float32 inputs and outputs; layers kept in float32 stay so.
+    `io_dtype` inputs and outputs; layers kept in float32 stay so.
     (Converting the float32 graph to float16 afterwards with
     onnxconverter-common left type mismatches that onnxruntime refuses in
     keras-hub backbones: integer ids cast to float, masked softmax.)
     """
-    import tensorflow as tf
     import tf2onnx
 
-    _, serve = serving_module(model, specs)
-    signature = [
-        tf.TensorSpec(shape, tf.as_dtype(d), name=name)
-        for name, shape, d in specs
-    ]
+    _, serve, signature = serving_module(model, specs, io_dtype)
     _ki.patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -418,11 +509,14 @@ def run_onnx(path, arrays, specs):
             f"({type(e).__name__}: {e}); export to 'savedmodel' or "
             "'tflite' instead."
         ) from e
-    names = [i.name for i in session.get_inputs()]
+    inputs = session.get_inputs()
+    names = [i.name for i in inputs]
+    ins = [_ONNX_TYPES.get(i.type, i.type) for i in inputs]
     outs = batched(
-        lambda batch: session.run(None, dict(zip(names, batch))), arrays
+        lambda batch: session.run(None, {
+            n: a.astype(d) for n, a, d in zip(names, batch, ins)}),
+        arrays,
     )
-    ins = [_ONNX_TYPES.get(i.type, i.type) for i in session.get_inputs()]
     return outs, ins, [o.dtype.name for o in outs]
 
 
@@ -431,23 +525,21 @@ _ONNX_TYPES = {
     "tensor(float16)": "float16",
     "tensor(int32)": "int32",
     "tensor(int64)": "int64",
+    "tensor(bool)": "bool",
 }
 
 
-def run_keras(path, arrays):
+def run_keras(path, arrays, specs):
     try:
         model = keras.saving.load_model(path, compile=False)
     except Exception as e:
         raise ValueError(
             f"The exported .keras file does not load back ({type(e).__name__}"
-            f": {e}). Keras rebuilds the model from its get_config(); when "
-            "that round trip does not work, export to 'savedmodel', "
-            "'tflite' or 'onnx' instead, which need no rebuild."
+            f": {e}); export to 'savedmodel', 'tflite' or 'onnx' instead."
         ) from e
     outs = predict_keras(model, arrays)
-    kept = dict(getattr(model, "kept_float32", {}))
     ins = [dtype for _, _, dtype in input_specs(model)]
-    return outs, ins, [str(o.dtype) for o in outs], kept
+    return outs, ins, [str(o.dtype) for o in outs]
 
 
 def run_savedmodel(path, arrays, specs):
@@ -455,15 +547,16 @@ def run_savedmodel(path, arrays, specs):
 
     fn = tf.saved_model.load(path).signatures["serving_default"]
     names = [name for name, _, _ in specs]
+    ins = [fn.structured_input_signature[1][n].dtype.name for n in names]
     keys = []
 
     def run_batch(batch):
-        y = fn(**{n: tf.constant(a) for n, a in zip(names, batch)})
+        y = fn(**{n: tf.constant(a.astype(d))
+                  for n, a, d in zip(names, batch, ins)})
         keys[:] = keys or sorted(y, key=_output_order)
         return [y[k].numpy() for k in keys]
 
     outs = batched(run_batch, arrays)
-    ins = [fn.structured_input_signature[1][n].dtype.name for n in names]
     return outs, ins, [o.dtype.name for o in outs]
 
 
@@ -486,15 +579,82 @@ def run_tflite(path, arrays, specs):
         interpreter.get_signature_list()["serving_default"]["outputs"],
         key=_output_order,
     )
+    details = runner.get_input_details()
+    ins = [np.dtype(details[name]["dtype"]).name for name in names]
 
     def run_batch(batch):
-        y = runner(**dict(zip(names, batch)))
+        y = runner(**{n: a.astype(d) for n, a, d in zip(names, batch, ins)})
         return [np.array(y[k]) for k in out_names]  # copies
 
     outs = batched(run_batch, arrays)
-    details = runner.get_input_details()
-    ins = [np.dtype(details[name]["dtype"]).name for name in names]
     return outs, ins, [o.dtype.name for o in outs]
+
+
+# --------------------------------------------------------------------------
+# Weight bytes stored in each artifact
+# --------------------------------------------------------------------------
+
+
+def weights_keras(path):
+    import zipfile
+
+    import h5py
+
+    total = 0
+    with zipfile.ZipFile(path) as z, z.open("model.weights.h5") as f:
+        with h5py.File(f, "r") as h5:
+            def add(_, obj):
+                nonlocal total
+                if isinstance(obj, h5py.Dataset):
+                    total += obj.size * obj.dtype.itemsize
+            h5.visititems(add)
+    return total
+
+
+def weights_savedmodel(path):
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(os.path.join(path, "variables",
+                                                   "variables"))
+    shapes = reader.get_variable_to_shape_map()
+    dtypes = reader.get_variable_to_dtype_map()
+    return sum(
+        int(np.prod(shapes[k])) * dtypes[k].size
+        for k in shapes if k.endswith(".ATTRIBUTES/VARIABLE_VALUE")
+    )
+
+
+def weights_onnx(path):
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(path)
+    return sum(numpy_helper.to_array(t).nbytes
+               for t in proto.graph.initializer)
+
+
+def weights_tflite(path):
+    """The bytes of the constant buffers (the weights) of a .tflite file,
+    read from its flatbuffer (TensorFlow's generated schema)."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    model = schema.Model.GetRootAsModel(data, 0)
+    total = 0
+    for i in range(model.BuffersLength()):
+        buffer = model.Buffers(i)
+        total += buffer.DataLength()
+    return total
+
+
+def master_weight_bytes(model):
+    """Bytes of `model`'s variables with floats as float32 (the masters)."""
+    return sum(
+        int(np.prod(v.shape)) * (4 if is_float(v.dtype)
+                                 else np.dtype(str(v.dtype)).itemsize)
+        for v in unique_variables(model)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -507,64 +667,27 @@ class ExportFormat(FormatSpec):
     """One export format: its rules (`FormatSpec`), writer and reader.
 
     Attributes:
-        write: `(model, path, specs, dtype) -> None`.
+        write: `(model, path, specs, dtype, io_dtype) -> None`.
         run: `(path, arrays, specs) -> (outputs, input dtypes, output
-            dtypes, kept)`, `kept` being `{layer path: reason}` read from
-            the artifact, or None when it cannot tell.
-        notes: `(dtype) -> str`, the report's remark.
+            dtypes)`, read back with the format's own runtime.
+        weights: `(path) -> int`, the weight bytes stored in the artifact.
     """
 
     write: object = None
     run: object = None
-    notes: object = None
+    weights: object = None
 
 
-def _format(name, **how):
-    """The `ExportFormat` of spec `name` with its writer and reader."""
+def _format(name):
     spec = SPECS[name]
     fields = {f.name: getattr(spec, f.name)
               for f in dataclasses.fields(FormatSpec)}
-    return ExportFormat(**fields, **how)
+    g = globals()
+    return ExportFormat(**fields, write=g[f"write_{name}"],
+                        run=g[f"run_{name}"], weights=g[f"weights_{name}"])
 
 
-def _keras_notes(dtype):
-    if dtype == "float32":
-        return ""
-    return ("a kerasmp.export.HalfModel: load it with kerasmp imported; "
-            "Keras rebuilds the original model from its config and runs it "
-            "with the stored half-precision variables")
-
-
-REGISTRY = {f.name: f for f in (
-    _format(
-        "keras",
-        write=lambda model, path, specs, dtype: write_keras(model, path),
-        run=lambda path, arrays, specs: run_keras(path, arrays),
-        notes=_keras_notes,
-    ),
-    _format(
-        "savedmodel",
-        write=lambda model, path, specs, dtype: write_savedmodel(
-            model, path, specs),
-        run=lambda path, arrays, specs: (
-            *run_savedmodel(path, arrays, specs), None),
-    ),
-    _format(
-        "tflite",
-        write=write_tflite,
-        run=lambda path, arrays, specs: (
-            *run_tflite(path, arrays, specs), {}),
-        notes=lambda dtype: ("float32 graph with float16 weights"
-                             if dtype == "float16" else ""),
-    ),
-    _format(
-        "onnx",
-        write=lambda model, path, specs, dtype: write_onnx(
-            model, path, specs),
-        run=lambda path, arrays, specs: (
-            *run_onnx(path, arrays, specs), None),
-    ),
-)}
+REGISTRY = {name: _format(name) for name in SPECS}
 
 
 def format_table():
@@ -574,14 +697,17 @@ def format_table():
     `<!-- formats:end -->`; a test checks that it is up to date.
     """
     rows = [
-        "| format | path | backend | half precision | what is written "
-        "| read it with |",
-        "|---|---|---|---|---|---|",
+        "| format | path | backend | half precision | I/O dtypes "
+        "| what is written | needs | read it with |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in REGISTRY.values():
+        needs = (", ".join(f.packages) or "keras") + (
+            f" (`pip install kerasmp[{f.extra}]`)" if f.extra else "")
         rows.append(
             f"| `{f.name}` | {f'`*{f.suffix}`' if f.suffix else 'a folder'} "
             f"| {'TensorFlow' if f.needs_tensorflow else 'any'} "
-            f"| {', '.join(f.half_dtypes)} | {f.help} | {f.read_with} |"
+            f"| {', '.join(f.half_dtypes)} | {', '.join(f.io_dtypes)} "
+            f"| {f.help} | {needs} | {f.read_with} |"
         )
     return "\n".join(rows) + "\n"

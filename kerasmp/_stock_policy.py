@@ -5,7 +5,7 @@ The guide's first step is `keras.mixed_precision.set_global_policy(
 softmax and normalization layers stay float16, `compile` adds Keras's own
 loss scaling (only for that exact name), and nothing says kerasmp is not in
 play. `warn_if_stock_mixed_policy(model)`, called by kerasmp's `compile`
-hook (`kerasmp._hooks._compile`), says so once per process, naming the line
+patch (`kerasmp._compile._compile`), says so once per process, naming the line
 to change.
 """
 

@@ -656,7 +656,9 @@ def float32_rule(layer, policy=None):
 #    policy's compute dtype (as stock BatchNormalization does); the outputs of
 #    the outermost call stay the float32 values computed.
 # 3. Saving and loading. A kerasmp policy is saved as the stock
-#    `keras.DTypePolicy` plain Keras can load plus a `"kerasmp"` entry stock
+#    `keras.DTypePolicy` plain Keras can load (a stock normalization layer's
+#    override under the governing mixed policy, which stock Keras computes
+#    the same way: `portable_policy_name`) plus a `"kerasmp"` entry stock
 #    Keras ignores; with kerasmp, `dtype_policies.deserialize` rebuilds the
 #    kerasmp policy (only kerasmp's own classes) and `Operation.from_config`
 #    passes the policy object to the constructor with it made global while
@@ -771,12 +773,44 @@ _SAVED_CLASSES = {
 }
 
 
+# Stock normalization layers: float32 arithmetic inside, output in the
+# compute dtype (BatchNormalization, LayerNormalization, GroupNormalization
+# upcast and cast back).
+_UPCASTING_CLASSES = ("BatchNormalization", "LayerNormalization",
+                      "GroupNormalization")
+
+
+def portable_policy_name(policy):
+    """The stock policy name a kerasmp policy is saved under.
+
+    A kerasmp float32 override of a stock normalization layer (its rule
+    names the class: `"Keras class (LayerNormalization)"`) is saved as its
+    governing policy's name (`"mixed_float16"`): stock Keras then rounds the
+    layer's input to float16, computes in float32 with float32 weights and
+    returns float16, which is what kerasmp computes inside a model (the
+    hand-back above). Saved as `"float32"`, a load without kerasmp returned
+    unrounded float32 outputs into residual adds, and lost the rounding of
+    the input where a container whose `from_config` drops its dtype (a
+    nested `Sequential`: ConvNeXt) used to do it. Any other policy keeps
+    its own name.
+    """
+    if isinstance(policy, Float32Override):
+        rule = policy.rule or ""
+        detail = rule[rule.find("(") + 1:-1] if rule.endswith(")") else rule
+        governing = policy.policy
+        if (detail in _UPCASTING_CLASSES and isinstance(governing, Policy)
+                and governing.compute_dtype in ("float16", "bfloat16")):
+            return governing.name
+    return policy.name
+
+
 def _serialize(policy):
     """`dtype_policies.serialize` that stock Keras can read back."""
     if not isinstance(policy, tuple(_SAVED_CLASSES.values())):
         return _originals["serialize"](policy)
     stock = getattr(policy, "stock_policy", None)  # float8 policies
-    stock = stock() if stock else keras.DTypePolicy(policy.name)
+    stock = stock() if stock else keras.DTypePolicy(
+        portable_policy_name(policy))
     config = _originals["serialize"](stock)
     config[_KERASMP_KEY] = {
         "class_name": type(policy).__name__,

@@ -590,27 +590,29 @@ def test_huge_variance_export_parity(tmp_path, fmt, filename):
 
 
 def test_cli_export(trained, tmp_path, capsys):
+    from kerasmp.apps import cli
+
     model = trained("cnn")
     src = str(tmp_path / "trained.keras")
     model.save(src)
     x = parity_inputs("cnn")[:128]
     np.save(tmp_path / "sample.npy", x)
     out = str(tmp_path / "half.keras")
-    code = kx.main_export([src, out, "--format", "keras", "--sample",
-                           str(tmp_path / "sample.npy")])
+    code = cli.main(["export", src, out, "--format", "keras", "--sample",
+                     str(tmp_path / "sample.npy")])
     printed = capsys.readouterr().out
     assert code == 0
     assert "kerasmp export report" in printed and "ratio" in printed
     assert os.path.exists(out)
     # A parity threshold no float16 model can meet: exit code 1.
-    code = kx.main_export([src, str(tmp_path / "h2.keras"), "--format",
-                           "keras", "--sample", str(tmp_path / "sample.npy"),
-                           "--max-diff", "1e-9", "--json"])
+    code = cli.main(["export", src, str(tmp_path / "h2.keras"), "--format",
+                     "keras", "--sample", str(tmp_path / "sample.npy"),
+                     "--max-rel-diff", "1e-9", "--json"])
     captured = capsys.readouterr()
     assert code == 1
-    assert json.loads(captured.out)["max_abs_diff"] > 1e-9
-    assert "parity FAILED" in captured.err
+    assert json.loads(captured.out)["rel_diff"] > 1e-9
+    assert "parity FAILED" in captured.err and "--sample" in captured.err
     assert not os.path.exists(tmp_path / "h2.keras")  # gate before commit
     # An existing output without --overwrite: a clear error, exit code 2.
-    assert kx.main_export([src, out, "--format", "keras"]) == 2
+    assert cli.main(["export", src, out, "--format", "keras"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """kerasmp.export: what is at the output path, at every instant (issues
 10.1/10.2), the parity gate and the target checks (issue 11).
 
-Races and kills are made deterministic with `kerasmp.export._before_publish`,
+Races and kills are made deterministic with `kerasmp._publish._before_publish`,
 a test hook that a child process uses to stop right before it publishes.
 """
 
@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 
+from kerasmp import _publish
 from kerasmp import export as kx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -26,6 +27,7 @@ CHILD = textwrap.dedent("""
     import os, sys, time
     import numpy as np, keras
     from kerasmp import export as kx
+    from kerasmp import _publish
 
     path, overwrite, ready, go = sys.argv[1:5]
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
@@ -35,11 +37,11 @@ CHILD = textwrap.dedent("""
         while not os.path.exists(go):
             time.sleep(0.02)
 
-    kx._before_publish = pause
+    _publish._before_publish = pause
     if mode == "no_renameat2":
         # The fallback: two renames; die between them.
         import signal
-        kx._renameat2_fn = False
+        _publish._renameat2_fn = False
         real = os.rename
         def rename(a, b):
             real(a, b)
@@ -187,7 +189,7 @@ def test_keyboard_interrupt_removes_staging(tmp_path, monkeypatch):
         assert os.path.exists(staged)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kx, "_before_publish", interrupt)
+    monkeypatch.setattr(_publish, "_before_publish", interrupt)
     path = tmp_path / "m.keras"
     with pytest.raises(KeyboardInterrupt):
         kx.export(_tiny(), str(path), format="keras", sample=_sample())
@@ -205,7 +207,7 @@ def test_overwrite_swaps_atomically(tmp_path, monkeypatch):
     def check(staged, target):
         seen.append(_predict(target, x))
 
-    monkeypatch.setattr(kx, "_before_publish", check)
+    monkeypatch.setattr(_publish, "_before_publish", check)
     kx.export(new, path, format="keras", sample=x, overwrite=True)
     np.testing.assert_allclose(seen[0], old.predict(x, verbose=0),
                                atol=1e-2)

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import tempfile
 import zipfile
@@ -512,116 +511,60 @@ def _demo(args):
 
 
 def _check_export(args):
-    if args.format in ("tflite", "onnx") and args.dtype == "bfloat16":
-        raise UsageError(
-            f"--dtype bfloat16 is not available with --format {args.format} "
-            "(it stores half-precision weights as float16); expected "
-            "--dtype float16 or float32")
-    if args.format != "keras" and _keras_backend() != "tensorflow":
-        raise UsageError(
-            f"--format {args.format} needs the TensorFlow backend, but "
-            f"KERAS_BACKEND is {_keras_backend()!r}; set "
-            "KERAS_BACKEND=tensorflow or pass --format keras")
-    if args.format == "onnx":
-        import importlib.util
+    from kerasmp import _format_specs
 
-        missing = [p for p in ONNX_PACKAGES
-                   if importlib.util.find_spec(p) is None]
-        if missing:
-            raise UsageError(
-                f"--format onnx needs {', '.join(missing)}: pip install "
-                "kerasmp[onnx]")
+    try:
+        _format_specs.check_target(args.out, args.format, args.overwrite,
+                                   args.dtype, backend=_keras_backend(),
+                                   io_dtype=args.io_dtype)
+    except (ValueError, FileExistsError, TypeError, ImportError) as e:
+        raise UsageError(_cli_words(str(e))) from None
     args._modules = _check_model_file(args.model, args.unsafe)
     _check_output(args.out, "OUT", args.overwrite, fmt=args.format,
                   source=args.model)
     args._sample = _load_sample(args.sample) if args.sample else None
 
 
-def _parity_message(report, max_diff, out):
-    return (f"parity FAILED: max |diff| {report.max_abs_diff:.3g} > "
-            f"--max-diff {max_diff:g}; nothing was written at {out!r}")
-
-
 def _export(args):
-    import inspect
-
     _import_keras(args)
     from kerasmp import export as kx
 
-    check_target = getattr(kx, "check_target", None)
-    if check_target is not None:
-        try:
-            check_target(args.out, args.format, args.overwrite)
-        except (ValueError, FileExistsError, TypeError, ImportError) as e:
-            raise UsageError(_cli_words(str(e))) from None
     model = _load_model(args, args.model, args._modules)
-    kwargs = dict(format=args.format, dtype=args.dtype, sample=args._sample,
-                  keep_float32=args.keep_float32, overwrite=args.overwrite)
-    parity_error = getattr(kx, "ParityError", None)
-    gated = (parity_error is not None and "max_diff"
-             in inspect.signature(kx.export).parameters)
-    report, failed = None, False
+    report, failed = None, None
     try:
-        if gated:
-            try:
-                report = kx.export(model, args.out, max_diff=args.max_diff,
-                                   **kwargs)
-            except parity_error as e:
-                report, failed = getattr(e, "report", None), True
-        else:
-            report, failed = _export_staged(kx, model, args, kwargs)
-    except (ValueError, TypeError, ImportError) as e:
+        report = kx.export(
+            model, args.out, format=args.format, dtype=args.dtype,
+            sample=args._sample, keep_float32=args.keep_float32,
+            overwrite=args.overwrite, max_rel_diff=args.max_rel_diff,
+            max_diff=args.max_diff, io_dtype=args.io_dtype, gate=True)
+    except kx.ParityError as e:
+        report, failed = e.report, e
+    except (ValueError, TypeError, ImportError, FileExistsError) as e:
         if args.debug:
             raise
         raise UsageError(_cli_words(" ".join(str(e).split()))) from None
-    if report is not None:
-        if args.json:
-            print(json.dumps(report.to_dict(), indent=2))
-        else:
-            print(report)
-    if failed:
-        if os.path.lexists(args.out) and not args.overwrite:
-            raise RuntimeError(f"a failed export left {args.out!r}")
-        message = (_parity_message(report, args.max_diff, args.out)
-                   if report is not None else "parity FAILED; nothing "
-                   f"was written at {args.out!r}")
-        print(f"kerasmp export: {message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report)
+    if failed is not None:
+        print(f"kerasmp export: parity FAILED: "
+              f"{_cli_words(str(failed))}", file=sys.stderr)
         return 1
     return 0
-
-
-def _export_staged(kx, model, args, kwargs):
-    """Exports next to OUT and moves it there only if parity passes.
-
-    The fallback for a `kerasmp.export.export` without `max_diff`.
-    Returns `(report, failed)`.
-    """
-    out = os.path.abspath(args.out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".kerasmp-cli-", dir=parent)
-    try:
-        staged = os.path.join(stage, os.path.basename(out))
-        report = kx.export(model, staged, **dict(kwargs, overwrite=True))
-        report.path = args.out
-        if not report.passed(args.max_diff):
-            return report, True
-        if os.path.lexists(out):
-            if os.path.isdir(out) and not os.path.islink(out):
-                shutil.rmtree(out)
-            else:
-                os.remove(out)
-        os.replace(staged, out)
-        return report, False
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _cli_words(message):
     """An API error message in the CLI's words (flags, not arguments)."""
     return (message.replace("pass overwrite=True", "pass --overwrite")
             .replace("`path`", "OUT").replace("`format`", "--format")
-            .replace("`dtype`", "--dtype"))
+            .replace("`dtype`", "--dtype").replace("`io_dtype`", "--io-dtype")
+            .replace("max_rel_diff=", "--max-rel-diff ")
+            .replace("max_diff=", "--max-diff ")
+            .replace("format=", "--format ")
+            .replace("pass real inputs with `sample=` (`kerasmp export "
+                     "--sample FILE.npy|.npz`)",
+                     "pass real inputs with --sample FILE.npy|.npz"))
 
 
 def _check_bench(args):
@@ -824,19 +767,31 @@ def build_parser():
                    "SavedModel folder (savedmodel), a .tflite file (tflite) "
                    "or a .onnx file (onnx)")
     p.add_argument("--format", choices=EXPORT_FORMATS, default="savedmodel",
-                   help="artifact format (default: savedmodel; onnx needs "
-                   "pip install kerasmp[onnx])")
+                   help="artifact format (default: savedmodel; tflite needs "
+                   "pip install kerasmp[tflite], onnx kerasmp[onnx])")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float16",
                    help="weight dtype (default: float16; bfloat16 not for "
                    "tflite/onnx; float32 for comparison)")
     p.add_argument("--sample", metavar="FILE",
                    help="parity inputs: .npy (one input) or .npz (keyed by "
                    "input name, or arr_0, arr_1, ... in input order); "
-                   "default: 512 random draws")
-    p.add_argument("--max-diff", type=_nonnegative_float, default=1e-2,
+                   "default: 512 draws that respect the model (token ids "
+                   "within the vocabulary, a front Rescaling/Normalization "
+                   "layer's range, else uniform [0, 1))")
+    p.add_argument("--max-rel-diff", type=_nonnegative_float, default=None,
                    metavar="X",
-                   help="parity gate: when max |difference| vs float32 "
-                   "exceeds X, exit 1 and write nothing (default 1e-2)")
+                   help="parity gate on max |difference| / range of the "
+                   "float32 output, per output: above X, exit 1 and write "
+                   "nothing (default 0.02 for float16, 0.1 for bfloat16, "
+                   "1e-4 for float32)")
+    p.add_argument("--max-diff", type=_nonnegative_float, default=None,
+                   metavar="X",
+                   help="also gate on the absolute max |difference| vs "
+                   "float32 (default: no absolute gate)")
+    p.add_argument("--io-dtype", choices=("float32", "float16"),
+                   default="float32",
+                   help="dtype of the artifact's float inputs and outputs "
+                   "(savedmodel, tflite, onnx; default float32)")
     p.add_argument("--keep-float32", action="append", default=None,
                    metavar="REGEX", type=_regex,
                    help="keep layers whose name matches in float32 "
