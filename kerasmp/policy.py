@@ -800,7 +800,7 @@ def portable_policy_name(policy):
         governing = policy.policy
         if (detail in _UPCASTING_CLASSES and isinstance(governing, Policy)
                 and governing.compute_dtype in ("float16", "bfloat16")):
-            return governing.name
+            return _float8.base_name(governing.name)  # a name Keras knows
     return policy.name
 
 
