@@ -171,3 +171,31 @@ def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
     # The stock optimizer's config builds kerasmp's.
     converted = LossScaleOptimizer.from_config(stock.get_config())
     assert converted.initial_scale == stock.initial_scale
+
+
+def test_the_progress_bar_shows_the_logged_scale_and_skips(capsys):
+    # Documented in docs/monitoring.md ("Limits"): Keras's Progbar prints
+    # every log value as a float, a value <= 1e-3 in exponent form.
+    x, y = _data()
+    model = _model(jit=False, spe=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(
+            x, y, batch_size=4, epochs=2, shuffle=False, verbose=2
+        ).history
+    lines = [
+        line for line in capsys.readouterr().out.splitlines()
+        if "skipped_steps" in line
+    ]
+    assert len(lines) == 2
+    for line, scale, skipped in zip(
+        lines, history["loss_scale"], history["skipped_steps"]
+    ):
+        assert f"loss_scale: {scale:.4f}" in line
+        assert f"skipped_steps: {skipped:.4f}" in line
+    assert history["skipped_steps"][0] >= 1
+    # No overflow: 0 skipped steps, in Keras's format for small values.
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(1e-3), "mse")
+    model.fit(x[:4] * 1e-3, y[:4] * 1e-3, batch_size=4, verbose=2)
+    assert "skipped_steps: 0.0000e+00" in capsys.readouterr().out
