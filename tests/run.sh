@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Runs the test suite on both Keras backends: everything under TensorFlow,
 # then every test not marked `tensorflow` under JAX, each on two
-# pytest-xdist workers (see below). Extra arguments go to both pytest runs. Both runs always happen; the script fails if either
-# failed (exit status 1, after naming the failed backends).
+# pytest-xdist workers (see below). Extra arguments go to both pytest runs.
+# Both runs always happen; the script fails if either failed (exit status 1,
+# after naming the failed backends).
+#
+# The few tests marked `slow` (the full demo, ResNet-50, multi-process
+# distribution...) are left out, so the suite takes under 15 minutes on two
+# cores. `bash tests/run.sh --slow` runs only them and `--all` runs
+# everything; CI (.ci/run) runs the default suite, then `--slow`.
 #
 # `bash tests/run.sh --keras-nightly [pytest args]` runs the same two passes
 # against the newest Keras on PyPI: it creates a throwaway virtual
@@ -15,6 +21,7 @@
 # raising the Keras upper bound in pyproject.toml.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+selection="not slow"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 python=python
 if [[ "${1:-}" == "--keras-nightly" ]]; then
@@ -36,6 +43,10 @@ if [[ "${1:-}" == "--keras-nightly" ]]; then
     echo "== keras $("$python" -c 'import keras; print(keras.__version__)' \
         2>/dev/null) (keras-nightly, in $venv)"
 fi
+case "${1:-}" in
+    --slow) selection="slow"; shift ;;
+    --all) selection=""; shift ;;
+esac
 # Two pytest-xdist workers (a dev extra), one test file per worker at a time
 # (`--dist loadfile`: module-scoped fixtures build once), unless the
 # arguments choose (`-n 0` runs in one process) or xdist is not installed.
@@ -51,11 +62,22 @@ case " $* " in
 esac
 set -- "${parallel[@]}" "$@"
 failed=()
-echo "== KERAS_BACKEND=tensorflow"
-KERAS_BACKEND=tensorflow "$python" -m pytest "$@" || failed+=(tensorflow)
-echo "== KERAS_BACKEND=jax"
-KERAS_BACKEND=jax "$python" -m pytest -m "not tensorflow" "$@" \
-    || failed+=(jax)
+# A `-m` among the arguments comes last, so it wins over these.
+tf_marks=()
+if [[ -n "$selection" ]]; then tf_marks=(-m "$selection"); fi
+jax_marks="not tensorflow${selection:+ and ($selection)}"
+# pytest's status 5 (no test selected) is not a failure.
+run_pass() {
+    local backend="$1"
+    shift
+    KERAS_BACKEND="$backend" "$python" -m pytest "$@"
+    local rc=$?
+    if ((rc != 0 && rc != 5)); then failed+=("$backend"); fi
+}
+echo "== KERAS_BACKEND=tensorflow${selection:+ (-m \"$selection\")}"
+run_pass tensorflow "${tf_marks[@]}" "$@"
+echo "== KERAS_BACKEND=jax (-m \"$jax_marks\")"
+run_pass jax -m "$jax_marks" "$@"
 if ((${#failed[@]})); then
     echo "== FAILED on: ${failed[*]}" >&2
     exit 1
