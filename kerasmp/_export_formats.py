@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp import _tflite_convert
 from kerasmp._format_specs import SPECS
 from kerasmp._format_specs import FormatSpec
 from kerasmp._half import HalfModel
@@ -296,7 +297,7 @@ def serving_module(model, specs, io_dtype="float32"):
     return module, serve, signature
 
 
-def write_keras(model, path, specs, dtype, io_dtype):
+def write_keras(model, path, specs, dtype, io_dtype, example=None):
     keras.saving.save_model(model, path)
 
 
@@ -328,7 +329,7 @@ def _jax_archive(model, specs, io_dtype):
     return archive
 
 
-def write_savedmodel(model, path, specs, dtype, io_dtype):
+def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):
     import tensorflow as tf
 
     if keras.backend.backend() == "jax":
@@ -340,32 +341,46 @@ def write_savedmodel(model, path, specs, dtype, io_dtype):
     )
 
 
-def write_tflite(model, path, specs, dtype, io_dtype):
+def write_tflite(model, path, specs, dtype, io_dtype, example=None):
     """`model` is float32: TFLite runs float16 only as float16 weights in a
-    float32 graph, which the converter writes."""
+    float32 graph, which the converter writes. Builtin ops only; an unknown
+    length is fixed to `example`'s when that avoids Flex ops
+    (`kerasmp._tflite_convert`)."""
     import shutil
+    import tempfile
 
     import tensorflow as tf
 
-    folder = None
-    if keras.backend.backend() == "jax":
-        # From JAX: a SavedModel (jax2tf, as stock Keras exports), then
-        # the converter reads it.
-        folder = path + ".savedmodel"
-        _jax_archive(model, specs, io_dtype).write_out(folder, verbose=False)
-        converter = tf.lite.TFLiteConverter.from_saved_model(folder)
-    else:
-        module, serve, _ = serving_module(model, specs, io_dtype)
-        converter = tf.lite.TFLiteConverter.from_concrete_functions(
-            [serve.get_concrete_function()], module
-        )
-    if dtype == "float16":
-        converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        converter.target_spec.supported_types = [tf.float16]
+    folders = []
+
+    def make_converter(specs):
+        if keras.backend.backend() == "jax":
+            # From JAX: a SavedModel (jax2tf, as stock Keras exports), then
+            # the converter reads it.
+            folder = tempfile.mkdtemp(prefix=".savedmodel-",
+                                      dir=os.path.dirname(path) or ".")
+            folders.append(folder)
+            _jax_archive(model, specs, io_dtype).write_out(
+                os.path.join(folder, "m"), verbose=False)
+            converter = tf.lite.TFLiteConverter.from_saved_model(
+                os.path.join(folder, "m"))
+        else:
+            module, serve, _ = serving_module(model, specs, io_dtype)
+            converter = tf.lite.TFLiteConverter.from_concrete_functions(
+                [serve.get_concrete_function()], module
+            )
+        if dtype == "float16":
+            converter.optimizations = [tf.lite.Optimize.DEFAULT]
+            converter.target_spec.supported_types = [tf.float16]
+        return converter
+
+    source = model.source_model() if isinstance(model, HalfModel) else model
     try:
-        flat = converter.convert()
+        flat = _tflite_convert.convert(
+            make_converter, source, specs, example,
+            "export to 'savedmodel' or 'onnx' instead.")
     finally:
-        if folder is not None:
+        for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
     with open(path, "wb") as f:
         f.write(flat)
@@ -472,7 +487,7 @@ def _onnx_half_initializers(proto):
     return proto
 
 
-def write_onnx(model, path, specs, dtype, io_dtype):
+def write_onnx(model, path, specs, dtype, io_dtype, example=None):
     """Converts `model`'s serving function with tf2onnx (opset 17).
 
     `model` is the half-precision `HalfModel` (or the float32 one): tf2onnx
@@ -667,7 +682,9 @@ class ExportFormat(FormatSpec):
     """One export format: its rules (`FormatSpec`), writer and reader.
 
     Attributes:
-        write: `(model, path, specs, dtype, io_dtype) -> None`.
+        write: `(model, path, specs, dtype, io_dtype, example=None) ->
+            None`; `example` is the parity inputs (TFLite may fix an
+            unknown length to theirs).
         run: `(path, arrays, specs) -> (outputs, input dtypes, output
             dtypes)`, read back with the format's own runtime.
         weights: `(path) -> int`, the weight bytes stored in the artifact.

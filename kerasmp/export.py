@@ -27,6 +27,7 @@ half-precision engine is `kerasmp._half` and `kerasmp._plain_keras`.
 
 import dataclasses
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -413,8 +414,11 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     with _publish.Staging(path) as stage:
         staged = os.path.join(stage.dir, stage.name)
         baseline = os.path.join(stage.dir, "float32-" + stage.name)
-        fmt.write(artifact, staged, specs, dtype, io_dtype)
-        fmt.write(model32, baseline, specs, "float32", io_dtype)
+        fmt.write(artifact, staged, specs, dtype, io_dtype, example=arrays)
+        with warnings.catch_warnings():  # said once, for the artifact
+            warnings.simplefilter("ignore")
+            fmt.write(model32, baseline, specs, "float32", io_dtype,
+                      example=arrays)
         try:
             outs, ins, outd = fmt.run(staged, arrays, specs)
         except Exception as e:
