@@ -421,3 +421,19 @@ def test_docs_say_what_each_artifact_needs_to_load():
     # The .keras is plain Keras: what the test above loads without kerasmp.
     assert "without kerasmp" in section and "without\nkerasmp" in guide
     assert "Loading needs `import kerasmp`" not in export_md
+
+
+def test_onnx_from_jax_is_one_clear_error_before_any_work(tmp_path):
+    # tf2onnx cannot convert jax2tf's XlaCallModule (docs/export.md, Known
+    # limits): from JAX the export stops at once, naming the backend to
+    # set and the formats that work there.
+    path = str(tmp_path / "m.onnx")
+    with pytest.raises(ValueError) as info:
+        if BACKEND == "jax":
+            kx.export(None, path, format="onnx")  # no model needed
+        else:
+            _format_specs.check_target(path, "onnx", backend="jax")
+    message = str(info.value)
+    assert "needs the TensorFlow backend" in message and "\n" not in message
+    assert "KERAS_BACKEND=tensorflow" in message and "'tflite'" in message
+    assert list(tmp_path.iterdir()) == []
