@@ -43,6 +43,7 @@ from kerasmp._format_specs import IO_DTYPES  # noqa: F401  (public)
 from kerasmp._half import DTYPES
 from kerasmp._half import FLOAT16_MAX  # noqa: F401  (public constant)
 from kerasmp._table import render_table
+from kerasmp._tflite_convert import NeedsFlexOps  # noqa: F401  (public)
 
 DEFAULT_NUM_SAMPLES = 512
 # The default parity gate on the scale-free figure (max |diff| / range of
