@@ -184,13 +184,14 @@ def _flat_outputs(y):
     return [numpy_value(t) for t in keras.tree.flatten(y)]
 
 
-def batched(run_batch, arrays):
+def batched(run_batch, arrays, size=_PREDICT_BATCH):
     """Runs `run_batch(list of input slices) -> list of outputs` over
-    `arrays` in batches of 128 and concatenates each output (numpy)."""
+    `arrays` in batches of `size` (128) and concatenates each output
+    (numpy)."""
     outs = None
     n = arrays[0].shape[0]
-    for i in range(0, n, _PREDICT_BATCH):
-        y = run_batch([a[i:i + _PREDICT_BATCH] for a in arrays])
+    for i in range(0, n, size):
+        y = run_batch([a[i:i + size] for a in arrays])
         y = [np.asarray(t) for t in y]
         outs = [[t] for t in y] if outs is None else [
             o + [t] for o, t in zip(outs, y)
@@ -374,11 +375,46 @@ def write_tflite(model, path, specs, dtype, io_dtype, example=None):
             converter.target_spec.supported_types = [tf.float16]
         return converter
 
+    def verify(flat, specs):
+        """From JAX, a conversion with a free batch can run and compute
+        something else (keras-hub Mistral: 0.31 of the output range):
+        compared here with the model on a few examples."""
+        from ai_edge_litert.interpreter import Interpreter
+
+        rows = [a[:4] for a in example]
+        runner = Interpreter(model_content=flat).get_signature_runner(
+            "serving_default")
+        names = [n for n, _, _ in specs]
+        size = specs[0][1][0] or len(rows[0])
+        outs = batched(
+            lambda b: [np.asarray(v) for _, v in sorted(
+                runner(**dict(zip(names, b))).items(),
+                key=lambda kv: _output_order(kv[0]))],
+            rows, size)
+        p = parity(predict_keras(model, rows), outs)
+        if not p["rel_diff"] <= 0.1:
+            return (f"converted with shapes {[tuple(s) for _, s, _ in specs]}"
+                    f", it computes something else (max |diff| / range "
+                    f"{p['rel_diff']:.3g} on {len(rows[0])} examples)")
+        return None
+
     source = model.source_model() if isinstance(model, HalfModel) else model
+    jax = keras.backend.backend() == "jax" and example is not None
     try:
         flat = _tflite_convert.convert(
             make_converter, source, specs, example,
-            "export to 'savedmodel' or 'onnx' instead.")
+            "export to 'savedmodel' or 'onnx' instead.",
+            verify=verify if jax else None, fix_batch=jax)
+    except _tflite_convert.NeedsFlexOps:
+        raise
+    except Exception as e:
+        if keras.backend.backend() != "jax":
+            raise
+        raise ValueError(
+            f"format='tflite' cannot convert {source.name!r} from JAX "
+            f"(jax2tf, then the TFLite converter): "
+            f"{_tflite_convert.summary(e)}; export it with "
+            "KERAS_BACKEND=tensorflow, or to 'savedmodel'.") from e
     finally:
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
@@ -596,12 +632,17 @@ def run_tflite(path, arrays, specs):
     )
     details = runner.get_input_details()
     ins = [np.dtype(details[name]["dtype"]).name for name in names]
+    # A file written with a fixed batch (the JAX route's last resort, see
+    # kerasmp._tflite_convert) takes batches of exactly that size.
+    fixed = [int(details[n]["shape_signature"][0]) for n in names
+             if len(details[n]["shape_signature"])]
+    size = fixed[0] if fixed and fixed[0] > 0 else _PREDICT_BATCH
 
     def run_batch(batch):
         y = runner(**{n: a.astype(d) for n, a, d in zip(names, batch, ins)})
         return [np.array(y[k]) for k in out_names]  # copies
 
-    outs = batched(run_batch, arrays)
+    outs = batched(run_batch, arrays, size)
     return outs, ins, [o.dtype.name for o in outs]
 
 

@@ -7,11 +7,14 @@ transformer decoders as TensorFlow ops (Flex ops): a `x[:, None, :, :]`
 masks, int64 `Abs`/`Sign` in DeBERTa-v3's relative position buckets. With
 the lengths known, the first become reshapes and the second, which depend
 only on the length, are constant-folded. So `convert` first converts with
-the model's own input shapes; if that needs Flex ops and an input has an
-unknown dimension after the batch, it converts again with those dimensions
-fixed to the parity inputs' (the batch stays dynamic), with a warning
-giving the lengths the file then takes. Where Flex ops remain, it raises
-`NeedsFlexOps`, naming each op and the layer it comes from.
+the model's own input shapes; if that fails and an input has an unknown
+dimension after the batch, it converts again with those dimensions fixed
+to the parity inputs' (the batch stays dynamic), with a warning giving the
+shapes the file then takes. From JAX (jax2tf's StableHLO) the converter
+can also mis-lower a dynamic batch, so there each conversion is checked
+against the model on a few inputs (`verify`) and the last resort fixes the
+batch to 1. Where Flex ops remain, it raises `NeedsFlexOps`, naming each op
+and the layer it comes from.
 """
 
 import re
@@ -116,7 +119,8 @@ def static_specs(specs, example):
     return out if changed else None
 
 
-def convert(make_converter, model, specs, example, format_hint):
+def convert(make_converter, model, specs, example, format_hint,
+            verify=None, fix_batch=False):
     """The flatbuffer of `make_converter(specs).convert()` with builtin
     ops only; see the module docstring.
 
@@ -126,37 +130,69 @@ def convert(make_converter, model, specs, example, format_hint):
         specs: `[(name, batch shape, dtype)]` of its inputs.
         example: The parity inputs (numpy arrays, one per spec) or None.
         format_hint: What to export to instead (end of the error message).
+        verify: Optional `(flatbuffer, specs) -> None or a reason`: a
+            conversion that runs but computes something else (the JAX
+            route's dynamic batch) is then tried the next way.
+        fix_batch: Whether the last resort fixes the batch to 1 as well.
 
     Raises:
         NeedsFlexOps: naming each op and its layer.
     """
-    try:
-        return make_converter(specs).convert()
-    except Exception as e:  # the converter's ConverterError, or a trace
-        first = e
     fixed = static_specs(specs, example)
-    if fixed is None:
-        if needs_flex(first):
-            raise NeedsFlexOps(describe(first, model, format_hint)) from first
-        raise first
-    try:
-        flat = make_converter(fixed).convert()
-    except Exception as e:
-        if needs_flex(e):
-            raise NeedsFlexOps(describe(e, model, format_hint)) from e
-        raise e from first
-    if needs_flex(first):
-        why = (f"TFLite needs Flex ops ({named_ops(first, model)}), which "
+    tries = [specs] + ([fixed] if fixed else [])
+    if fix_batch and example is not None:
+        tries.append([(n, (1,) + tuple(s[1:]), d)
+                      for n, s, d in (fixed or specs)])
+    first = previous = None
+    for i, attempt in enumerate(tries):
+        try:
+            flat = make_converter(attempt).convert()
+        except Exception as e:  # the converter's ConverterError, a trace
+            error = e
+        else:
+            wrong = verify(flat, attempt) if verify is not None else None
+            if wrong is None:
+                if i:
+                    _warn_fixed(model, attempt, previous)
+                return flat
+            error = ValueError(wrong)
+        first = first if first is not None else error
+        previous = error
+        if i == len(tries) - 1:
+            if needs_flex(error):
+                raise NeedsFlexOps(
+                    describe(error, model, format_hint)) from error
+            if error is first:
+                raise error
+            raise error from first
+
+
+def _warn_fixed(model, specs, error):
+    """Warns that the file takes `specs`' shapes, because of `error` (the
+    attempt before)."""
+    if needs_flex(error):
+        why = (f"TFLite needs Flex ops ({named_ops(error, model)}), which "
                "the plain LiteRT interpreter cannot run")
     else:  # jax2tf gives each unknown length its own symbol
-        why = f"the conversion fails ({_first_line(first)})"
-    shapes = ", ".join(f"{n}: {tuple(s)}" for n, s, _ in fixed)
+        why = f"the conversion fails ({summary(error)})"
+    shapes = ", ".join(f"{n}: {tuple(s)}" for n, s, _ in specs)
+    batch = ("the batch may vary" if specs[0][1][0] is None
+             else "one example per call")
     warnings.warn(
         f"kerasmp.export: the TFLite file of {model.name!r} takes inputs "
-        f"of fixed length ({shapes}; the batch may vary): with unknown "
-        f"lengths {why}. Pass `sample=` inputs of the length you serve.",
-        stacklevel=4)
-    return flat
+        f"of fixed shape ({shapes}; {batch}): otherwise {why}. Pass "
+        "`sample=` inputs of the length you serve.", stacklevel=5)
+
+
+def summary(e):
+    """One line saying what failed: a converter error's first message
+    (`ConverterErrorData.error_message`), else the exception's text."""
+    for data in getattr(e, "errors", None) or []:
+        text = (getattr(data, "error_message", "") or "").strip()
+        if text:
+            text = _ANSI.sub("", text.splitlines()[0])[:200]
+            return f"{type(e).__name__}: {text}"
+    return _first_line(e)
 
 
 def _first_line(e):
