@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp import _tflite_convert
 from kerasmp._format_specs import SPECS
 from kerasmp._format_specs import FormatSpec
 from kerasmp._half import HalfModel
@@ -183,13 +184,14 @@ def _flat_outputs(y):
     return [numpy_value(t) for t in keras.tree.flatten(y)]
 
 
-def batched(run_batch, arrays):
+def batched(run_batch, arrays, size=_PREDICT_BATCH):
     """Runs `run_batch(list of input slices) -> list of outputs` over
-    `arrays` in batches of 128 and concatenates each output (numpy)."""
+    `arrays` in batches of `size` (128) and concatenates each output
+    (numpy)."""
     outs = None
     n = arrays[0].shape[0]
-    for i in range(0, n, _PREDICT_BATCH):
-        y = run_batch([a[i:i + _PREDICT_BATCH] for a in arrays])
+    for i in range(0, n, size):
+        y = run_batch([a[i:i + size] for a in arrays])
         y = [np.asarray(t) for t in y]
         outs = [[t] for t in y] if outs is None else [
             o + [t] for o, t in zip(outs, y)
@@ -296,7 +298,7 @@ def serving_module(model, specs, io_dtype="float32"):
     return module, serve, signature
 
 
-def write_keras(model, path, specs, dtype, io_dtype):
+def write_keras(model, path, specs, dtype, io_dtype, example=None):
     keras.saving.save_model(model, path)
 
 
@@ -328,7 +330,7 @@ def _jax_archive(model, specs, io_dtype):
     return archive
 
 
-def write_savedmodel(model, path, specs, dtype, io_dtype):
+def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):
     import tensorflow as tf
 
     if keras.backend.backend() == "jax":
@@ -340,32 +342,81 @@ def write_savedmodel(model, path, specs, dtype, io_dtype):
     )
 
 
-def write_tflite(model, path, specs, dtype, io_dtype):
+def write_tflite(model, path, specs, dtype, io_dtype, example=None):
     """`model` is float32: TFLite runs float16 only as float16 weights in a
-    float32 graph, which the converter writes."""
+    float32 graph, which the converter writes. Builtin ops only; an unknown
+    length is fixed to `example`'s when that avoids Flex ops
+    (`kerasmp._tflite_convert`)."""
     import shutil
+    import tempfile
 
     import tensorflow as tf
 
-    folder = None
-    if keras.backend.backend() == "jax":
-        # From JAX: a SavedModel (jax2tf, as stock Keras exports), then
-        # the converter reads it.
-        folder = path + ".savedmodel"
-        _jax_archive(model, specs, io_dtype).write_out(folder, verbose=False)
-        converter = tf.lite.TFLiteConverter.from_saved_model(folder)
-    else:
-        module, serve, _ = serving_module(model, specs, io_dtype)
-        converter = tf.lite.TFLiteConverter.from_concrete_functions(
-            [serve.get_concrete_function()], module
-        )
-    if dtype == "float16":
-        converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        converter.target_spec.supported_types = [tf.float16]
+    folders = []
+
+    def make_converter(specs):
+        if keras.backend.backend() == "jax":
+            # From JAX: a SavedModel (jax2tf, as stock Keras exports), then
+            # the converter reads it.
+            folder = tempfile.mkdtemp(prefix=".savedmodel-",
+                                      dir=os.path.dirname(path) or ".")
+            folders.append(folder)
+            _jax_archive(model, specs, io_dtype).write_out(
+                os.path.join(folder, "m"), verbose=False)
+            converter = tf.lite.TFLiteConverter.from_saved_model(
+                os.path.join(folder, "m"))
+        else:
+            module, serve, _ = serving_module(model, specs, io_dtype)
+            converter = tf.lite.TFLiteConverter.from_concrete_functions(
+                [serve.get_concrete_function()], module
+            )
+        if dtype == "float16":
+            converter.optimizations = [tf.lite.Optimize.DEFAULT]
+            converter.target_spec.supported_types = [tf.float16]
+        return converter
+
+    def verify(flat, specs):
+        """From JAX, a conversion with a free batch can run and compute
+        something else (keras-hub Mistral: 0.31 of the output range):
+        compared here with the model on a few examples."""
+        from ai_edge_litert.interpreter import Interpreter
+
+        rows = [a[:4] for a in example]
+        runner = Interpreter(model_content=flat).get_signature_runner(
+            "serving_default")
+        names = [n for n, _, _ in specs]
+        size = specs[0][1][0] or len(rows[0])
+        outs = batched(
+            lambda b: [np.asarray(v) for _, v in sorted(
+                runner(**dict(zip(names, b))).items(),
+                key=lambda kv: _output_order(kv[0]))],
+            rows, size)
+        p = parity(predict_keras(model, rows), outs)
+        if not p["rel_diff"] <= 0.1:
+            return (f"converted with shapes {[tuple(s) for _, s, _ in specs]}"
+                    f", it computes something else (max |diff| / range "
+                    f"{p['rel_diff']:.3g} on {len(rows[0])} examples)")
+        return None
+
+    source = model.source_model() if isinstance(model, HalfModel) else model
+    jax = keras.backend.backend() == "jax" and example is not None
     try:
-        flat = converter.convert()
+        flat = _tflite_convert.convert(
+            make_converter, source, specs, example,
+            "export to 'savedmodel' or 'onnx' instead.",
+            verify=verify if jax else None, fix_batch=jax)
+    except _tflite_convert.NeedsFlexOps:
+        raise
+    except Exception as e:
+        if keras.backend.backend() != "jax":
+            raise
+        raise ValueError(
+            f"format='tflite' cannot convert {source.name!r} from JAX "
+            f"(jax2tf, then the TFLite converter): "
+            f"{_tflite_convert.summary(e)}; export it with "
+            "KERAS_BACKEND=tensorflow, or to 'savedmodel'.") from e
     finally:
-        if folder is not None:
+        for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
     with open(path, "wb") as f:
         f.write(flat)
@@ -472,7 +523,7 @@ def _onnx_half_initializers(proto):
     return proto
 
 
-def write_onnx(model, path, specs, dtype, io_dtype):
+def write_onnx(model, path, specs, dtype, io_dtype, example=None):
     """Converts `model`'s serving function with tf2onnx (opset 17).
 
     `model` is the half-precision `HalfModel` (or the float32 one): tf2onnx
@@ -581,12 +632,17 @@ def run_tflite(path, arrays, specs):
     )
     details = runner.get_input_details()
     ins = [np.dtype(details[name]["dtype"]).name for name in names]
+    # A file written with a fixed batch (the JAX route's last resort, see
+    # kerasmp._tflite_convert) takes batches of exactly that size.
+    fixed = [int(details[n]["shape_signature"][0]) for n in names
+             if len(details[n]["shape_signature"])]
+    size = fixed[0] if fixed and fixed[0] > 0 else _PREDICT_BATCH
 
     def run_batch(batch):
         y = runner(**{n: a.astype(d) for n, a, d in zip(names, batch, ins)})
         return [np.array(y[k]) for k in out_names]  # copies
 
-    outs = batched(run_batch, arrays)
+    outs = batched(run_batch, arrays, size)
     return outs, ins, [o.dtype.name for o in outs]
 
 
@@ -667,7 +723,9 @@ class ExportFormat(FormatSpec):
     """One export format: its rules (`FormatSpec`), writer and reader.
 
     Attributes:
-        write: `(model, path, specs, dtype, io_dtype) -> None`.
+        write: `(model, path, specs, dtype, io_dtype, example=None) ->
+            None`; `example` is the parity inputs (TFLite may fix an
+            unknown length to theirs).
         run: `(path, arrays, specs) -> (outputs, input dtypes, output
             dtypes)`, read back with the format's own runtime.
         weights: `(path) -> int`, the weight bytes stored in the artifact.

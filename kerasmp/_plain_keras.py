@@ -181,9 +181,13 @@ def build(model, dtype, keep_float32=None, check=None):
     build) is reached through its parent's map default, which then makes
     the parent's other pathless sublayers (its `Dropout`) float32 as well.
     If `check(plain model)` raises with that (a parent's own code adding a
-    float32 to a float16 tensor), the model is rebuilt with those layers in
-    the half-precision dtype, with a warning naming them; they are left out
-    of the returned kept layers.
+    float32 to a float16 tensor), or if that default makes a pathless layer
+    kerasmp keeps in half precision compute in float32 on half-precision
+    inputs (its float32 output may then meet a float16 tensor in the
+    parent's code: TensorFlow refuses to add them, JAX promotes silently, so
+    the file would load on one backend only), the model is rebuilt with
+    those layers in the half-precision dtype, with a warning naming them;
+    they are left out of the returned kept layers.
 
     Raises:
         NotExpressible: naming the layer, before anything is written.
@@ -221,9 +225,10 @@ def build(model, dtype, keep_float32=None, check=None):
             f"kerasmp.export: in the .keras file of {model.name!r}, "
             f"{', '.join(repr(x) for x in pathless)} compute in {dtype}, "
             "not float32: stock dtype policies reach a layer without a "
-            "Keras path only through its parent's default, and that made "
-            "the parent fail to run; 'savedmodel', 'tflite' and 'onnx' "
-            "keep them in float32.", stacklevel=3)
+            "Keras path only through its parent's default, and a float32 "
+            f"default breaks the parent ({root_cause(first.__cause__)}); "
+            "'savedmodel', 'tflite' and 'onnx' keep them in float32.",
+            stacklevel=3)
         return rebuilt, {k: v for k, v in kept.items() if k not in pathless}
 
 
@@ -297,9 +302,53 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
     for s, c in zip(sources, copies):
         value = _half.numpy_value(s)
         c.assign(value.astype(np.dtype(str(c.dtype))))
+    # The layers a float32 map default moves from half precision to float32
+    # although kerasmp keeps them in half precision (a parent's `Dropout`).
+    widened = [(path, layer) for path, _, layer in _pairs(model, rebuilt)
+               if pathless_float32 and not layer.path and path not in kept
+               and not _half.is_container(layer)
+               and layer.compute_dtype == "float32"]
     if check is not None:
+        recorders = [(path, layer, _ki.stored_dtype_policy(layer),
+                      _InputDtypes(layer.compute_dtype))
+                     for path, layer in widened]
+        for _, layer, _, rec in recorders:
+            _ki.store_dtype_policy(layer, rec)
         try:
             check(rebuilt)
         except Exception as e:
             raise _RunFailed() from e
+        finally:
+            for _, layer, original, _ in recorders:
+                _ki.store_dtype_policy(layer, original)
+        upcast = [(path, layer) for path, layer, _, rec in recorders
+                  if rec.seen & {dtype}]
+        if upcast:
+            # Such a layer turns a half-precision tensor into a float32 one
+            # that its parent's code may add to a half-precision tensor:
+            # JAX promotes silently, TensorFlow refuses (`x + residual` in
+            # keras-hub's TransformerEncoder). Same verdict on both.
+            path, layer = upcast[0]
+            more = (f" and {len(upcast) - 1} other layer(s)"
+                    if len(upcast) > 1 else "")
+            raise _RunFailed() from TypeError(
+                f"it also makes {path!r} ({type(layer).__name__}){more} "
+                f"compute in float32 on {dtype} inputs, whose float32 "
+                f"outputs TensorFlow refuses to add to {dtype} tensors")
     return rebuilt, pathless
+
+
+class _InputDtypes(keras.DTypePolicy):
+    """A stock float policy that records the dtypes of the float inputs
+    `Layer.__call__` converts with it (in `seen`)."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.seen = set()
+
+    def convert_input(self, x, autocast, dtype):
+        if hasattr(x, "dtype"):
+            d = keras.backend.standardize_dtype(x.dtype)
+            if _half.is_float(d):
+                self.seen.add(d)
+        return super().convert_input(x, autocast, dtype)

@@ -27,6 +27,7 @@ half-precision engine is `kerasmp._half` and `kerasmp._plain_keras`.
 
 import dataclasses
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -42,6 +43,7 @@ from kerasmp._format_specs import IO_DTYPES  # noqa: F401  (public)
 from kerasmp._half import DTYPES
 from kerasmp._half import FLOAT16_MAX  # noqa: F401  (public constant)
 from kerasmp._table import render_table
+from kerasmp._tflite_convert import NeedsFlexOps  # noqa: F401  (public)
 
 DEFAULT_NUM_SAMPLES = 512
 # The default parity gate on the scale-free figure (max |diff| / range of
@@ -413,8 +415,11 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     with _publish.Staging(path) as stage:
         staged = os.path.join(stage.dir, stage.name)
         baseline = os.path.join(stage.dir, "float32-" + stage.name)
-        fmt.write(artifact, staged, specs, dtype, io_dtype)
-        fmt.write(model32, baseline, specs, "float32", io_dtype)
+        fmt.write(artifact, staged, specs, dtype, io_dtype, example=arrays)
+        with warnings.catch_warnings():  # said once, for the artifact
+            warnings.simplefilter("ignore")
+            fmt.write(model32, baseline, specs, "float32", io_dtype,
+                      example=arrays)
         try:
             outs, ins, outd = fmt.run(staged, arrays, specs)
         except Exception as e:
