@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import keras
+import pytest
 from keras import ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,3 +91,16 @@ def run_workers(tmp_path, source, backend, timeout):
             if proc.poll() is None:
                 proc.kill()
     return results
+
+
+def slow_on(*backends):
+    """`pytest.mark.slow` when the test run's backend is one of `backends`.
+
+    For a test whose second backend adds little at a high cost: the other
+    backend's pass runs it in the default suite (`bash tests/run.sh`), and
+    CI's `bash tests/run.sh --slow` runs it on these backends too. A mark
+    either way, so it also goes in `pytest.param(..., marks=...)`.
+    """
+    if keras.backend.backend() in backends:
+        return pytest.mark.slow
+    return pytest.mark.skipif(False, reason="runs in the default suite")

@@ -47,16 +47,17 @@ case "${1:-}" in
     --slow) selection="slow"; shift ;;
     --all) selection=""; shift ;;
 esac
-# Two pytest-xdist workers (a dev extra), one test file per worker at a time
-# (`--dist loadfile`: module-scoped fixtures build once), unless the
-# arguments choose (`-n 0` runs in one process) or xdist is not installed.
+# Two pytest-xdist workers (a dev extra) that share out the tests and take
+# over each other's queue when idle (`--dist worksteal`: a module-scoped
+# fixture may be built once per worker), unless the arguments choose
+# (`-n 0` runs in one process) or xdist is not installed.
 # KERASMP_TEST_WORKERS=N sets the count.
 parallel=()
 case " $* " in
     *" -n "*|*" -n="*|*" --numprocesses"*|*" -p no:xdist "*) ;;
     *)
         if "$python" -c "import xdist" 2>/dev/null; then
-            parallel=(-n "${KERASMP_TEST_WORKERS:-2}" --dist loadfile)
+            parallel=(-n "${KERASMP_TEST_WORKERS:-2}" --dist worksteal)
         fi
         ;;
 esac

@@ -16,6 +16,7 @@ import sys
 
 import keras
 import pytest
+from _helpers import slow_on
 
 from kerasmp.apps import bench
 from kerasmp.apps import cli
@@ -34,6 +35,9 @@ def _mlp_activation_bytes(spec, half):
             + 4 * b * bench.NUM_CLASSES)     # softmax: float32 always
 
 
+# `bench --quick` on both backends' passes is 2-3 minutes; JAX's in the
+# default suite, TensorFlow's in CI's slow pass.
+@slow_on("tensorflow")
 def test_quick_json_has_a_row_per_model_and_policy(tmp_path, capsys):
     path = tmp_path / "out.json"
     assert cli.main(["bench", "--quick", "--json", str(path)]) == 0
@@ -126,6 +130,7 @@ def test_bad_arguments_are_named(kwargs, argname):
         bench.run_bench(**{"preset": "quick", **kwargs}, verbose=False)
 
 
+@pytest.mark.slow  # a minute: benchmarks/gpu in a TensorFlow-free process
 def test_gpu_script_runs_without_tensorflow(tmp_path):
     """benchmarks/gpu/run.sh --smoke: the GPU code path at CPU size.
 

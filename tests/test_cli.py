@@ -400,9 +400,9 @@ def test_parser_choices_match_the_modules():
 # ---------------------------------------------------------------- run.sh
 
 
-@pytest.mark.parametrize("failing, code", [
-    ("tensorflow", 1), ("jax", 1), ("none", 0)])
-def test_run_sh_runs_both_backends(failing, code, tmp_path):
+def _fake_run_sh(tmp_path, failing, args, status=1):
+    """tests/run.sh with a fake `python` that logs its arguments and exits
+    with `status` for pytest under the backend `failing`."""
     fake = tmp_path / "bin"
     fake.mkdir()
     log = tmp_path / "calls.txt"
@@ -410,18 +410,39 @@ def test_run_sh_runs_both_backends(failing, code, tmp_path):
         "#!/bin/sh\n"
         f"echo \"$KERAS_BACKEND $*\" >> {log}\n"
         "case \"$*\" in *pytest*) "
-        "[ \"$KERAS_BACKEND\" = \"$FAILING\" ] && exit 1;; esac\n"
+        f"[ \"$KERAS_BACKEND\" = \"$FAILING\" ] && exit {status};; esac\n"
         "exit 0\n")
     (fake / "python").chmod(0o755)
     env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
                FAILING=failing)
-    proc = subprocess.run(["bash", str(ROOT / "tests" / "run.sh"), "-q"],
+    proc = subprocess.run(["bash", str(ROOT / "tests" / "run.sh"), *args],
                           env=env, capture_output=True, text=True,
                           timeout=60)
+    calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    return proc, calls
+
+
+@pytest.mark.parametrize("failing, code", [
+    ("tensorflow", 1), ("jax", 1), ("none", 0)])
+def test_run_sh_runs_both_backends(failing, code, tmp_path):
+    proc, calls = _fake_run_sh(tmp_path, failing, ["-q"])
     assert proc.returncode == code, proc.stdout + proc.stderr
     # The fake python also answers run.sh's `import xdist` probe (yes), so
-    # both passes get two xdist workers, one test file each at a time.
-    calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    # both passes get two xdist workers; the slow tests are left out.
     assert calls == [
-        "tensorflow -m pytest -n 2 --dist loadfile -q",
-        "jax -m pytest -m not tensorflow -n 2 --dist loadfile -q"]
+        "tensorflow -m pytest -m not slow -n 2 --dist worksteal -q",
+        "jax -m pytest -m not tensorflow and (not slow) -n 2 --dist worksteal"
+        " -q"]
+
+
+@pytest.mark.parametrize("flag, tf_marks, jax_marks", [
+    ("--slow", "-m slow ", "not tensorflow and (slow)"),
+    ("--all", "", "not tensorflow")])
+def test_run_sh_slow_and_all(flag, tf_marks, jax_marks, tmp_path):
+    # pytest's status 5 (nothing selected: no slow test runs on JAX) is not
+    # a failure; status 1 is.
+    proc, calls = _fake_run_sh(tmp_path, "jax", [flag, "-q"], status=5)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert calls == [
+        f"tensorflow -m pytest {tf_marks}-n 2 --dist worksteal -q",
+        f"jax -m pytest -m {jax_marks} -n 2 --dist worksteal -q"]

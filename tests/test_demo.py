@@ -16,6 +16,7 @@ import os
 import keras
 import numpy as np
 import pytest
+from _helpers import slow_on
 
 from kerasmp.apps import cli
 from kerasmp.apps import demo
@@ -53,6 +54,9 @@ def _pytorch_scale(steps, skipped, initial, growth_steps, min_scale=1.0,
     return scale
 
 
+# The full demo: about 2 minutes on TensorFlow (float16 convolutions without
+# XLA), 20 s on JAX; CI also runs the README's `kerasmp demo` on TensorFlow.
+@slow_on("tensorflow")
 def test_readme_command_mixed_matches_float32(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["demo"]) == 0

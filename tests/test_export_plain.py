@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import pytest
 from _helpers import BLOCK_KERASMP
+from _helpers import slow_on
 from _helpers import subprocess_env
 from keras import layers
 
@@ -320,7 +321,11 @@ def test_keras_hub_plain_keras_loads_without_kerasmp(tmp_path, backend):
     assert np.max(np.abs(got - want)) / np.ptp(want) <= 2e-2
 
 
-@pytest.mark.parametrize("which", ["keras_hub", "applications"])
+# The keras.applications model on JAX: 100 s (eager convolutions in the
+# parity draws); its TensorFlow run stays in the default suite.
+@pytest.mark.parametrize(
+    "which", ["keras_hub",
+              pytest.param("applications", marks=slow_on("jax"))])
 def test_default_gate_passes_on_real_models(tmp_path, which):
     model = _hub_bert() if which == "keras_hub" else _application()
     fmts = [("keras", "m.keras")]
@@ -368,6 +373,7 @@ print("RESULT " + json.dumps({"y": y.tolist()}))
 """
 
 
+@slow_on("jax")  # 70 s on JAX, 15 s on TensorFlow
 def test_convnext_saved_under_kerasmp_predicts_the_same_without_it(
         tmp_path):
     # Issue 16 #7: keras.applications ConvNeXt code, small depths. Its

@@ -14,6 +14,7 @@ import pathlib
 
 import keras
 import pytest
+from _helpers import slow_on
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -71,8 +72,13 @@ def test_stored_without_outputs(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["01_quickstart.ipynb", "02_debugging_nonfinite.ipynb",
-             "04_underflow.ipynb"]
+    "name", [
+        # 01 trains a CNN for 8 epochs: 100 s on TensorFlow (float16
+        # convolutions without XLA), 30 s on JAX.
+        pytest.param("01_quickstart.ipynb", marks=slow_on("tensorflow")),
+        "02_debugging_nonfinite.ipynb",
+        "04_underflow.ipynb",
+    ]
 )
 def test_notebook_runs(name, tmp_path):
     notebook = _run(name, tmp_path, keras.backend.backend())
