@@ -456,17 +456,13 @@ def _to_float32(x):
 
 
 def _handing_back(layer, dtype):
-    """`layer.call` with its float32 outputs cast to `dtype`."""
+    """`layer.call` with its float32 outputs handed back in `dtype`
+    (`kerasmp.policy.hand_back`, the cast kerasmp's policy applies)."""
     call = type(layer).call.__get__(layer)
-
-    def cast(x):
-        if _dtype_of(x) == "float32":
-            return keras.ops.cast(x, dtype)
-        return x
 
     @functools.wraps(call)
     def wrapped(*args, **kwargs):
-        return keras.tree.map_structure(cast, call(*args, **kwargs))
+        return _policy.hand_back(call(*args, **kwargs), dtype)
 
     return wrapped
 

@@ -724,15 +724,39 @@ def _is_castable(x, target):
     return dtype in ("float32", "float64") and dtype != target
 
 
-def _cast_down(outputs, target, originals):
+def hand_back(outputs, dtype, originals=None):
+    """A float32 layer's outputs, cast to the half-precision `dtype` of
+    the layer they are handed to (the one hand-back cast of kerasmp).
+
+    Every float32 (or float64) backend tensor in the structure is cast to
+    `dtype`, keeping its Keras mask; symbolic `KerasTensor`s, integer
+    tensors and non-tensors pass unchanged. Used by the `Layer.__call__`
+    wrapper below (through `handoff_dtype`) and by the exported
+    `HalfModel` (`kerasmp/_half.py`).
+
+    Args:
+        outputs: A tensor or a structure of tensors.
+        dtype: The compute dtype to hand back in, e.g. `"float16"`.
+        originals: Optional dict: `id(cast)` maps to `(cast, original)`
+            for each tensor cast, so the outermost call can give the
+            float32 originals back.
+
+    Example:
+
+    >>> y = kerasmp.policy.hand_back(keras.ops.ones((2,)), "float16")
+    >>> keras.backend.standardize_dtype(y.dtype)
+    'float16'
+    """
+
     def cast(x):
-        if not _is_castable(x, target):
+        if not _is_castable(x, dtype):
             return x
-        y = keras.ops.cast(x, target)
+        y = keras.ops.cast(x, dtype)
         mask = _ki.get_keras_mask(x)
         if mask is not None:
             _ki.set_keras_mask(y, mask)
-        originals[id(y)] = (y, x)
+        if originals is not None:
+            originals[id(y)] = (y, x)
         return y
 
     return keras.tree.map_structure(cast, outputs)
@@ -759,7 +783,7 @@ def _layer_call(self, *args, **kwargs):
     if depth > 0:
         target = handoff_dtype(self)
         if target is not None:
-            outputs = _cast_down(outputs, target, originals)
+            outputs = hand_back(outputs, target, originals)
     elif originals:
         outputs = _restore_float32(outputs, originals)
         _calls.originals = {}

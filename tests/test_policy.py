@@ -721,3 +721,22 @@ def test_dtype_report_paths_are_full_and_unique():
     with pytest.raises(KeyError, match="ambiguous"):
         report["ff_dropout"]
     assert report["block_b/ff_dropout"].layer_class == "Dropout"
+
+
+def test_hand_back_casts_only_float_tensors_and_keeps_masks():
+    from kerasmp.policy import hand_back
+
+    x = keras.ops.ones((2, 3), "float32")
+    mask = keras.ops.convert_to_tensor([True, False])
+    kerasmp._keras_internals.set_keras_mask(x, mask)
+    ids = keras.ops.ones((2,), "int32")
+    symbolic = keras.KerasTensor((2,), "float32")
+    originals = {}
+    out = hand_back({"x": x, "ids": ids, "s": symbolic, "n": 3.0},
+                    "float16", originals)
+    assert keras.backend.standardize_dtype(out["x"].dtype) == "float16"
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(kerasmp._keras_internals.get_keras_mask(
+            out["x"])), [True, False])
+    assert out["ids"] is ids and out["s"] is symbolic and out["n"] == 3.0
+    assert originals == {id(out["x"]): (out["x"], x)}
