@@ -23,8 +23,9 @@ logs, so History, CSVLogger and TensorBoard record them):
 Granularity: the monitor reads at the end of a `fit` step, i.e. once per
 execution under `steps_per_execution > 1` (Keras calls batch callbacks once
 per execution); the amax ratio still covers every step in between, because
-the history holds one amax per step. On JAX each reading first writes the
-running `fit` state back into the variables (`model.jax_state_sync()`).
+the history holds one amax per step. On JAX a reading takes the values from
+the running `fit`'s state in place (`kerasmp._jax_fit_state`: nothing is
+written back) and the replay of `data` is one `jax.jit`.
 
 The math is in `kerasmp._float8_telemetry`.
 """
@@ -38,6 +39,7 @@ import numpy as np
 
 from kerasmp import _float8_probe
 from kerasmp import _float8_telemetry as _tm
+from kerasmp import _jax_fit_state
 from kerasmp import _keras_internals as _ki
 from kerasmp import float8 as _float8
 
@@ -78,10 +80,20 @@ def _reader(model, variables):
     On TensorFlow one `tf.function` reads them all (one dispatch instead of
     one eager read per variable, which dominated the cost of a reading),
     traced once per model and set of variables (kept with the model, so the
-    next fit's monitor reuses it); elsewhere (JAX, after `jax_state_sync`)
-    the values are read directly.
+    next fit's monitor reuses it). On JAX the variables' positions in the
+    trainer's state are located once, and each reading takes the values
+    from a running `fit`'s newest state in place (no `jax_state_sync`,
+    which would write the whole state back: `kerasmp._jax_fit_state`), in
+    one transfer.
     """
-    if keras.backend.backend() != "tensorflow":
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        where = _jax_fit_state.locate(model, variables)
+        return lambda: [np.asarray(a) for a in jax.device_get(
+            _jax_fit_state.values(model, variables, where))]
+    if backend != "tensorflow":
         return lambda: [_value(v) for v in variables]
     import tensorflow as tf
 
@@ -207,7 +219,6 @@ class Float8Monitor(keras.callbacks.Callback):
             steps: Steps since the previous reading (for `amax_ratio`).
         """
         layers = self._float8_layers()
-        _ki.jax_state_sync(self.model)
         probes = [{} for _ in layers]
         if self.data is not None and layers and (
                 "inputs" in self.tensors or "outputs_grad" in self.tensors):
@@ -300,6 +311,9 @@ class Float8Monitor(keras.callbacks.Callback):
         if self.action == "fallback":
             reason = (f"{tensor} {kind} {value:.3g} at step {self._step}"
                       if math.isfinite(value) else f"{tensor} {kind}")
+            # The layer's policy changes and the train function is rebuilt:
+            # the variables must hold the running fit's values first.
+            _ki.jax_state_sync(self.model)
             try:
                 _float8.fall_back(layer, reason)
             except ValueError as e:

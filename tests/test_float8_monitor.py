@@ -13,6 +13,7 @@ import pytest
 
 import kerasmp
 from kerasmp import _float8_telemetry as tm
+from kerasmp import _keras_internals as _ki
 from kerasmp import float8
 from kerasmp.callbacks import Float8Monitor
 
@@ -35,7 +36,11 @@ class Gain(keras.layers.Layer):
 
 
 class Grow(keras.callbacks.Callback):
-    """Multiplies the gain by `factor` before every step from `start` on."""
+    """Multiplies the gain by `factor` before every step from `start` on.
+
+    On JAX the running fit's state is synced first (a JAX fit's variables
+    hold placeholders until then, and an assignment reaches the next step
+    only through a synced state); Float8Monitor itself never syncs."""
 
     def __init__(self, layer, factor=4.0, start=0):
         super().__init__()
@@ -45,6 +50,7 @@ class Grow(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         self.steps += 1
         if self.steps > self.start:
+            _ki.jax_state_sync(self.model)
             self.layer.gain.assign(self.layer.gain * self.factor)
 
 
