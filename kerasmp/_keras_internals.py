@@ -338,3 +338,11 @@ def jax_unsynced_state(model):
     if not state or getattr(model, "_jax_state_synced", True):
         return None
     return state
+
+
+def callback_model(callback):
+    """The model `callback` is set to, without a sync: on JAX, every access
+    to `callback.model` runs `model.jax_state_sync()` (Keras's
+    `Callback.model` property), which writes a running fit's whole state
+    back into the variables and makes the next step re-read them all."""
+    return callback._model

@@ -218,17 +218,20 @@ class Float8Monitor(keras.callbacks.Callback):
         Args:
             steps: Steps since the previous reading (for `amax_ratio`).
         """
+        # Not `self.model`: on JAX that property syncs the running fit's
+        # whole state back into the variables, the cost this reading avoids.
+        model = _ki.callback_model(self)
         layers = self._float8_layers()
         probes = [{} for _ in layers]
         if self.data is not None and layers and (
                 "inputs" in self.tensors or "outputs_grad" in self.tensors):
             x, y = self.data
             probes = _float8_probe.record(
-                self.model, [l for _, l in layers], x,
+                model, [l for _, l in layers], x,
                 y if "outputs_grad" in self.tensors else None,
                 cache=self._probe_cache)
         if self._read is None:
-            self._read = _reader(self.model, [v for _, layer in layers
+            self._read = _reader(model, [v for _, layer in layers
                                   for v in _variables(layer, self.tensors)])
         read = iter(self._read())
         values = {}
@@ -246,9 +249,10 @@ class Float8Monitor(keras.callbacks.Callback):
 
     def _float8_layers(self):
         """The model's float8 layers (cached until a fallback)."""
-        if self._layers is None or self._layers_model is not self.model:
-            self._layers = _float8.float8_layers(self.model)
-            self._layers_model = self.model
+        model = _ki.callback_model(self)
+        if self._layers is None or self._layers_model is not model:
+            self._layers = _float8.float8_layers(model)
+            self._layers_model = model
             self._read = None
             self._probe_cache = {}
         return self._layers

@@ -136,6 +136,59 @@ def test_logged_values_are_the_variables_keras_keeps(tmp_path, jit):
     assert monitor.events == []
 
 
+class _SyncWatch(keras.callbacks.Callback):
+    """Records, after each step's other callbacks, whether a JAX fit's
+    state is still unsynced (without syncing it: not `self.model`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unsynced = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        model = _ki.callback_model(self)
+        self.unsynced.append(_ki.jax_unsynced_state(model) is not None)
+
+
+@pytest.mark.parametrize("jit,spe", [(True, 1), (False, 2)])
+def test_readings_inside_a_fit_are_the_current_values(jit, spe):
+    """Readings taken inside the fit (on JAX from the trainer's running
+    state, which the monitor leaves unsynced) equal a reading of the model
+    after the fit, and the replayed inputs' saturation a hand count on the
+    layer's input. The replayed batch is 8x the training data, so at the
+    trained scales part of it saturates (at the initial scale of 1, none)."""
+    keras.utils.set_random_seed(0)
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse", jit_compile=jit, steps_per_execution=spe)
+    x, y = _data()
+    probe = (8 * x[:16], y[:16])
+    monitor = Float8Monitor(every_n_steps=spe, data=probe, action="log")
+    watch = _SyncWatch()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[monitor, watch])
+    assert [r["step"] for r in monitor.records] == list(range(spe, 9, spe))
+    if keras.backend.backend() == "jax":
+        assert watch.unsynced and all(watch.unsynced)  # the monitor never
+        # synced, so its readings came from the running state
+    last = dict(monitor.records[-1])
+    assert last.pop("step") == 8
+    after = monitor.measure(steps=spe)
+    assert set(after) == set(last)
+    for key, value in last.items():
+        assert value == pytest.approx(after[key], rel=1e-6, abs=1e-9), key
+    # Hand count: the input of `hot` is `gain`'s output on the batch.
+    layer = model.get_layer("hot")
+    inputs = keras.Model(model.input, model.get_layer("gain").output)
+    a = np.asarray(keras.ops.convert_to_numpy(
+        inputs(probe[0], training=False)), "float32")
+    scale = float(np.asarray(layer.inputs_scale))
+    expected = np.mean(np.abs(a / scale) > 448.0)
+    assert expected > 0.01  # the check below can tell scales apart
+    assert last["float8/hot/inputs_saturation"] == pytest.approx(
+        expected, abs=2 / a.size)
+    assert 0 < last["float8/hot/outputs_grad_scale"] < 1  # trained, not 1
+
+
 def test_every_n_steps_and_steps_per_execution():
     kerasmp.set_global_policy(_policy())
     model = _model()
