@@ -317,3 +317,73 @@ def test_action_stop_stops_training():
         model.fit(x, y, batch_size=8, epochs=3, verbose=0,
                   callbacks=[Grow(model.get_layer("gain"), start=2), monitor])
     assert monitor.records[-1]["step"] < 24
+
+
+# ------------------------------------------------------------ plot_float8
+
+
+def test_plot_float8_draws_the_monitors_records(tmp_path):
+    """Each plotted line is one layer's tensor statistic, point for point
+    the monitor's records (and the History's epoch values); the fallback
+    and its event are drawn where the monitor recorded them."""
+    pytest.importorskip("matplotlib")
+    from kerasmp.float8_plotting import parse_key
+
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse")
+    x, y = _data()
+    monitor = Float8Monitor(data=(x[:16], y[:16]), action="fallback",
+                            every_n_steps=2, warmup_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(
+            x, y, batch_size=8, epochs=2, verbose=0,
+            callbacks=[Grow(model.get_layer("gain"), start=4), monitor])
+    assert monitor.fallbacks == ["hot"]
+    figure = kerasmp.plot_float8(monitor, tmp_path / "f8.png")
+    assert (tmp_path / "f8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    panels = [ax.get_ylabel() for ax in figure.axes]
+    assert panels == ["scale", "amax", "saturation", "underflow"]
+    assert figure.axes[0].get_yscale() == "log"
+    assert figure.axes[2].get_yscale() == "linear"
+    drawn = 0
+    for ax in figure.axes:
+        stat = ax.get_ylabel()
+        for line in ax.get_lines():
+            if not line.get_label() or line.get_label().startswith("_"):
+                continue  # event markers and fallback lines
+            layer, tensor = line.get_label().split(" ")
+            key = f"float8/{layer}/{tensor}_{stat}"
+            expected = [(r["step"], r[key]) for r in monitor.records
+                        if key in r]
+            assert list(zip(line.get_xdata(), line.get_ydata())) == expected
+            drawn += 1
+    # hot, cool x 3 tensors x 4 stats ("hot" stops at its fallback).
+    assert drawn == 24
+    # The fallback: a vertical line at the event's step on every panel.
+    step = monitor.events[0]["step"]
+    for ax in figure.axes:
+        assert [list(l.get_xdata()) for l in ax.get_lines()
+                if l.get_linestyle() == "--" and l.get_color() == "tab:green"
+                ] == [[step, step]]
+    # The History: one point per epoch, the epoch logs' values.
+    figure = kerasmp.plot_float8(history, tmp_path / "h.png",
+                                 layers="cool", tensors="kernel",
+                                 stats=("scale",))
+    (line,) = figure.axes[0].get_lines()
+    assert list(line.get_ydata()) == history.history[
+        "float8/cool/kernel_scale"]
+    assert list(line.get_xdata()) == [1, 2]
+    assert figure.axes[-1].get_xlabel() == "epoch"
+    # Keys with nested paths and underscored tensors parse.
+    assert parse_key("float8/enc/ffn/outputs_grad_amax_history_max") == (
+        "enc/ffn", "outputs_grad", "amax_history_max")
+    assert parse_key("loss") is None
+    for kwargs, match in [({"layers": "nope"}, "'cool', 'hot'"),
+                          ({"tensors": "weights"}, "'outputs_grad'"),
+                          ({"stats": ("scale", "mean")}, "'underflow'")]:
+        with pytest.raises(ValueError, match=match):
+            kerasmp.plot_float8(monitor, tmp_path / "x.png", **kwargs)
+    with pytest.raises(TypeError, match="Float8Monitor"):
+        kerasmp.plot_float8(42, tmp_path / "x.png")
