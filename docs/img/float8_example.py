@@ -1,7 +1,8 @@
 """Makes docs/img/float8_example.png: the run shown in docs/float8.md.
 
-Three float8 Dense layers (64x64) under `kerasmp.Policy("float8_mixed_bfloat16")`
-(first and last layers excluded, as by default) on random data. From step 30
+Four Dense layers under `kerasmp.Policy("float8_mixed_bfloat16")` on random
+data; "hot" and "cool" (64x64) train in float8 (the first and last layers
+are excluded, as by default). From step 30
 the input of layer "hot" doubles every step (a gain in front of it): its
 inputs' amax outruns the delayed scale, the replayed batch saturates, and
 `Float8Monitor(action="fallback")` moves "hot" alone off float8 while "cool"
