@@ -108,8 +108,11 @@ def record(model, layers, x, y=None, cache=None):
         return [{"inputs": _numpy(inputs[i])} if i in inputs else {}
                 for i in range(len(layers))]
     cache = {} if cache is None else cache
+    # The optimizer too: the JAX replay maps its variables (the loss scale),
+    # and a compile with a new optimizer brings new ones.
     key = (backend, tuple(id(l) for l in layers),
-           None if loss_fn is None else id(loss_fn))
+           None if loss_fn is None else id(loss_fn),
+           id(getattr(model, "optimizer", None)))
     run = cache.get(key) or _TRACED.get(model, {}).get(key)
     if run is None:
         make = _tf_replay if backend == "tensorflow" else _jax_replay

@@ -387,3 +387,29 @@ def test_plot_float8_draws_the_monitors_records(tmp_path):
             kerasmp.plot_float8(monitor, tmp_path / "x.png", **kwargs)
     with pytest.raises(TypeError, match="Float8Monitor"):
         kerasmp.plot_float8(42, tmp_path / "x.png")
+
+
+def test_replayed_output_gradients_carry_the_current_loss_scale():
+    """Under float8_mixed_float16 the replayed output gradients are the
+    loss gradient times the optimizer's loss scale, as in a training step:
+    d mse / d pred = 2 (pred - y) / size, by hand; after a compile with a
+    new optimizer (another scale) the replay follows the new scale."""
+    from kerasmp import _float8_probe
+
+    kerasmp.set_global_policy(kerasmp.Policy(
+        "float8_mixed_float16", float8=float8.Float8Rule(
+            exclude_first=False, exclude_last=False, min_kernel_size=0)))
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(8, name="f8")])
+    x, y = _data(16)
+    x, y = x[:, :8], np.zeros((16, 8), "float32")
+    for scale in (2.0 ** 4, 2.0 ** 10):
+        model.compile(kerasmp.LossScaleOptimizer(
+            keras.optimizers.SGD(), initial_scale=scale), "mse")
+        layer = model.get_layer("f8")
+        assert layer.quantization_mode == "float8"
+        (row,) = _float8_probe.record(model, [layer], x, y)
+        pred = np.asarray(keras.ops.convert_to_numpy(model(x)), "float32")
+        expected = scale * 2 * (pred - y) / pred.size
+        np.testing.assert_allclose(row["outputs_grad"], expected,
+                                   rtol=2e-3, atol=1e-6 * scale)
