@@ -95,6 +95,14 @@ def test_bad_arguments_fail_at_construction():
             Float8Monitor(**kwargs)
 
 
+def test_no_batch_end_hook_keeps_keras_async_dispatch():
+    # Keras dispatches batch-end callbacks asynchronously only when no
+    # callback overrides them; the monitor reads at batch begin instead.
+    for hook in ("on_train_batch_end", "on_batch_end"):
+        assert getattr(Float8Monitor, hook) is getattr(
+            keras.callbacks.Callback, hook), hook
+
+
 # ---------------------------------------------------- values and the logs
 
 
