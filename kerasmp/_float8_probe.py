@@ -12,8 +12,11 @@ quantizes to E5M2. For that the layer's activation is applied outside the
 recorded matmul (`layer.activation` set to None for the replay), so the
 gradient is taken before the activation, where Keras takes it.
 
-TensorFlow takes the gradient with a `GradientTape`; JAX with `jax.grad`
-of the loss with respect to zeros added to each matmul output.
+Each replay is traced once and kept with the model: TensorFlow takes the
+gradient with a `GradientTape` in a `tf.function`; JAX with `jax.grad` of
+the loss with respect to zeros added to each matmul output, in one
+`jax.jit` that takes the model's values as arguments, read in place from
+a running `fit` (`kerasmp._jax_fit_state`), so nothing is synced.
 """
 
 import contextlib
@@ -22,7 +25,9 @@ import weakref
 import keras
 import numpy as np
 
-_TRACED = weakref.WeakKeyDictionary()  # model -> traced TensorFlow replays
+from kerasmp import _jax_fit_state
+
+_TRACED = weakref.WeakKeyDictionary()  # model -> traced replays
 
 
 def _numpy(x):
@@ -90,39 +95,39 @@ def record(model, layers, x, y=None, cache=None):
     dict with `"inputs"` and, when `y` is given and the model has a
     single-output loss, `"outputs_grad"` (numpy arrays).
 
-    `cache`: a dict kept between calls with the same model and layers (on
-    TensorFlow it holds the traced replay, so it is traced once)."""
+    `cache`: a dict kept between calls with the same model and layers: it
+    holds the traced replay (a `tf.function` on TensorFlow, a `jax.jit` on
+    JAX), so it is traced once. On JAX the replay runs on the model's
+    current values, read in place from a running `fit`
+    (`kerasmp._jax_fit_state`): nothing is written back."""
     loss_fn = _loss_fn(model) if y is not None else None
-    if loss_fn is None:
+    backend = keras.backend.backend()
+    if backend not in ("tensorflow", "jax"):
         with _recording(layers, lambda i, pre: pre) as inputs:
             model(x, training=False)
         return [{"inputs": _numpy(inputs[i])} if i in inputs else {}
                 for i in range(len(layers))]
-    if keras.backend.backend() == "jax":
-        return _record_jax(model, layers, x, y, loss_fn)
-    if keras.backend.backend() == "tensorflow":
-        return _record_tf(model, layers, x, y, loss_fn,
-                          {} if cache is None else cache)
-    return record(model, layers, x)
-
-
-def _loss(model, loss_fn, y, y_pred):
-    y_pred = keras.ops.cast(y_pred, "float32")
-    value = keras.ops.mean(loss_fn(y, y_pred))
-    return _scaled(model, value)
-
-
-def _record_tf(model, layers, x, y, loss_fn, cache):
-    import tensorflow as tf
-
-    key = ("tf_replay", tuple(id(l) for l in layers), id(loss_fn))
+    cache = {} if cache is None else cache
+    # The optimizer too: the JAX replay maps its variables (the loss scale),
+    # and a compile with a new optimizer brings new ones.
+    key = (backend, tuple(id(l) for l in layers),
+           None if loss_fn is None else id(loss_fn),
+           id(getattr(model, "optimizer", None)))
     run = cache.get(key) or _TRACED.get(model, {}).get(key)
     if run is None:
-        run = _tf_replay(model, layers, loss_fn)
+        make = _tf_replay if backend == "tensorflow" else _jax_replay
+        run = make(model, layers, loss_fn)
         # Kept with the model too: a new monitor (one per fit) reuses it.
         _TRACED.setdefault(model, {})[key] = run
     cache[key] = run
-    inputs, grads = run(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        args = (tf.convert_to_tensor(x),) + (
+            () if loss_fn is None else (tf.convert_to_tensor(y),))
+        inputs, grads = run(*args)
+    else:
+        inputs, grads = run(x, y if loss_fn is not None else None)
     out = []
     for i in range(len(layers)):
         row = {"inputs": _numpy(inputs[str(i)])} if str(i) in inputs else {}
@@ -130,6 +135,12 @@ def _record_tf(model, layers, x, y, loss_fn, cache):
             row["outputs_grad"] = _numpy(grads[str(i)])
         out.append(row)
     return out
+
+
+def _loss(model, loss_fn, y, y_pred):
+    y_pred = keras.ops.cast(y_pred, "float32")
+    value = keras.ops.mean(loss_fn(y, y_pred))
+    return _scaled(model, value)
 
 
 def _tf_replay(model, layers, loss_fn):
@@ -140,6 +151,15 @@ def _tf_replay(model, layers, loss_fn):
     # they do not expect. The model is held weakly: `_TRACED` keeps this
     # function as long as the model lives, and no longer.
     model = weakref.ref(model)
+
+    if loss_fn is None:
+        @tf.function
+        def forward(x):
+            with _recording(layers, lambda i, pre: pre) as inputs:
+                model()(x, training=False)
+            return {str(i): v for i, v in inputs.items()}, {}
+
+        return forward
 
     @tf.function
     def run(x, y):
@@ -162,35 +182,58 @@ def _tf_replay(model, layers, loss_fn):
     return run
 
 
-def _record_jax(model, layers, x, y, loss_fn):
+def _jax_replay(model, layers, loss_fn):
+    """`run(x, y)` -> (inputs, output gradients) by layer index (str keys),
+    one `jax.jit` (traced once per batch shape) of the forward pass and, with
+    `loss_fn`, `jax.grad` of the loss with respect to zeros added to each
+    matmul output. The model's values are arguments, not constants: each
+    call passes the current ones (`_jax_fit_state.all_values`)."""
     import jax
     import jax.numpy as jnp
 
-    shapes = {}
+    lists = _jax_fit_state.variable_lists(model)
+    ref = weakref.ref(model)
 
-    def shape(i, pre):
-        shapes[i] = (pre.shape, pre.dtype)
-        return pre
+    def forward(values, x, on_output, y=None):
+        scope = keras.StatelessScope(
+            state_mapping=_jax_fit_state.mapping(lists, values))
+        with scope, _recording(layers, on_output) as inputs:
+            y_pred = ref()(x, training=False)
+            loss = None if y is None else _loss(ref(), loss_fn, y, y_pred)
+        return loss, dict(inputs)
 
-    with _recording(layers, shape) as inputs:
-        model(x, training=False)
-    recorded = {i: _numpy(v) for i, v in inputs.items()}
-    keys = sorted(shapes)
+    @jax.jit
+    def replay_inputs(values, x):
+        _, inputs = forward(values, x, lambda i, pre: pre)
+        return {str(i): v for i, v in inputs.items()}, {}
 
-    def loss_of(eps):
-        def add(i, pre):
-            return pre + eps[keys.index(i)].astype(pre.dtype)
+    @jax.jit
+    def replay_grads(values, x, y):
+        shapes = {}
 
-        with _recording(layers, add):
-            y_pred = model(x, training=False)
-        return _loss(model, loss_fn, y, y_pred)
+        def shape(i, pre):
+            shapes[i] = pre.shape
+            return pre
 
-    zeros = [jnp.zeros(shapes[i][0], "float32") for i in keys]
-    grads = dict(zip(keys, jax.grad(loss_of)(zeros)))
-    out = []
-    for i in range(len(layers)):
-        row = {"inputs": recorded[i]} if i in recorded else {}
-        if i in grads:
-            row["outputs_grad"] = _numpy(grads[i])
-        out.append(row)
-    return out
+        # Traced for the shapes only; XLA drops this unused pass.
+        forward(values, x, shape)
+        keys = sorted(shapes)
+
+        def loss_of(eps):
+            def add(i, pre):
+                return pre + eps[keys.index(i)].astype(pre.dtype)
+
+            return forward(values, x, add, y)
+
+        zeros = [jnp.zeros(shapes[i], "float32") for i in keys]
+        grads, inputs = jax.grad(loss_of, has_aux=True)(zeros)
+        return ({str(i): v for i, v in inputs.items()},
+                {str(i): g for i, g in zip(keys, grads)})
+
+    def run(x, y=None):
+        values = _jax_fit_state.all_values(ref(), lists)
+        if loss_fn is None:
+            return replay_inputs(values, x)
+        return replay_grads(values, x, y)
+
+    return run

@@ -19,6 +19,7 @@ The functions here turn those variables (and, where available, the tensor
 itself) into the monitor's numbers.
 """
 
+import functools
 import math
 
 import ml_dtypes
@@ -34,6 +35,7 @@ FORMATS = {
 TENSORS = tuple(FORMATS)
 
 
+@functools.lru_cache(maxsize=None)
 def format_max(fmt):
     """The largest finite value of float8 format `fmt` (448 or 57344)."""
     return float(ml_dtypes.finfo(fmt).max)
@@ -96,19 +98,18 @@ def amax_ratios(history, steps, fmt, initial_scale=1.0):
     """
     c = chronological(history)
     steps = max(0, min(int(steps), len(c)))
-    out = []
-    for j in range(len(c) - steps, len(c)):
-        amax = c[j]
-        if not math.isfinite(amax):
-            out.append(float("nan"))
-            continue
-        before = c[: max(0, j - 1)]
-        before = before[np.isfinite(before)]
-        used = float(before.max()) if before.size else 0.0
-        if used <= 0:
-            used = initial_scale * format_max(fmt)
-        out.append(float(amax / used))
-    return out
+    if steps == 0:
+        return []
+    # The largest finite amax of c[:k] for every k: one running maximum
+    # (not one max per step: a reading's cost on a long history).
+    finite = np.where(np.isfinite(c), c, -np.inf)
+    prefix = np.concatenate([[-np.inf], np.maximum.accumulate(finite)])
+    j = np.arange(len(c) - steps, len(c))
+    used = prefix[np.maximum(0, j - 1)]  # max of c[: j - 1]
+    used = np.where(used > 0, used, initial_scale * format_max(fmt))
+    amax = c[j]
+    ratios = np.where(np.isfinite(amax), amax / used, np.nan)
+    return [float(r) for r in ratios]
 
 
 def tensor_stats(scale, history, fmt, steps=1, x=None):

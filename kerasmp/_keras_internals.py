@@ -315,3 +315,34 @@ def patch_tf2onnx():
     from keras.src.export.tf2onnx_lib import patch_tf2onnx as patch
 
     patch()
+
+
+# ------------------------------------- a running JAX fit's state, in place
+
+
+def jax_unsynced_state(model):
+    """The newest values of a running JAX `fit` that are not yet written
+    back into `model`'s variables: the trainer's `{field: list}` dict, with
+    the fields of `JAX_STATE_FIELDS`, each list aligned with the model's
+    (or optimizer's) variable list of that name. None when no JAX `fit` is
+    running or its state is synced (`jax_state_sync`): the variables hold
+    the current values then.
+
+    While this is not None, the variables hold placeholders (Keras purges
+    them during a JAX `fit`: reading one gives its initializer's value);
+    read the values from this dict instead, or sync first (which writes
+    every variable back and makes the next step re-read them all)."""
+    if keras.backend.backend() != "jax":
+        return None
+    state = getattr(model, "_jax_state", None)
+    if not state or getattr(model, "_jax_state_synced", True):
+        return None
+    return state
+
+
+def callback_model(callback):
+    """The model `callback` is set to, without a sync: on JAX, every access
+    to `callback.model` runs `model.jax_state_sync()` (Keras's
+    `Callback.model` property), which writes a running fit's whole state
+    back into the variables and makes the next step re-read them all."""
+    return callback._model

@@ -1,5 +1,8 @@
 """`plot_loss_scale`: a picture of the loss scale, skipped steps and events.
 
+(`plot_float8`, the float8 telemetry's picture, lives in
+`kerasmp.float8_plotting` and is re-exported here.)
+
 matplotlib is an optional dependency (`pip install kerasmp[plot]`); it is
 imported only when a plot is made, and without pyplot, so the user's
 matplotlib backend and global state are left alone.
@@ -7,6 +10,8 @@ matplotlib backend and global state are left alone.
 
 import json
 import os
+
+from kerasmp.float8_plotting import plot_float8  # noqa: F401  (re-export)
 
 _EVENT_STYLE = {
     # kind: (marker, color, label)

@@ -13,6 +13,7 @@ import pytest
 
 import kerasmp
 from kerasmp import _float8_telemetry as tm
+from kerasmp import _keras_internals as _ki
 from kerasmp import float8
 from kerasmp.callbacks import Float8Monitor
 
@@ -35,7 +36,11 @@ class Gain(keras.layers.Layer):
 
 
 class Grow(keras.callbacks.Callback):
-    """Multiplies the gain by `factor` before every step from `start` on."""
+    """Multiplies the gain by `factor` before every step from `start` on.
+
+    On JAX the running fit's state is synced first (a JAX fit's variables
+    hold placeholders until then, and an assignment reaches the next step
+    only through a synced state); Float8Monitor itself never syncs."""
 
     def __init__(self, layer, factor=4.0, start=0):
         super().__init__()
@@ -45,6 +50,7 @@ class Grow(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         self.steps += 1
         if self.steps > self.start:
+            _ki.jax_state_sync(self.model)
             self.layer.gain.assign(self.layer.gain * self.factor)
 
 
@@ -89,6 +95,14 @@ def test_bad_arguments_fail_at_construction():
             Float8Monitor(**kwargs)
 
 
+def test_no_batch_end_hook_keeps_keras_async_dispatch():
+    # Keras dispatches batch-end callbacks asynchronously only when no
+    # callback overrides them; the monitor reads at batch begin instead.
+    for hook in ("on_train_batch_end", "on_batch_end"):
+        assert getattr(Float8Monitor, hook) is getattr(
+            keras.callbacks.Callback, hook), hook
+
+
 # ---------------------------------------------------- values and the logs
 
 
@@ -128,6 +142,59 @@ def test_logged_values_are_the_variables_keras_keeps(tmp_path, jit):
     assert float(rows[-1]["float8/cool/inputs_amax"]) == pytest.approx(
         last["float8/cool/inputs_amax"], rel=1e-6)
     assert monitor.events == []
+
+
+class _SyncWatch(keras.callbacks.Callback):
+    """Records, after each step's other callbacks, whether a JAX fit's
+    state is still unsynced (without syncing it: not `self.model`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unsynced = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        model = _ki.callback_model(self)
+        self.unsynced.append(_ki.jax_unsynced_state(model) is not None)
+
+
+@pytest.mark.parametrize("jit,spe", [(True, 1), (False, 2)])
+def test_readings_inside_a_fit_are_the_current_values(jit, spe):
+    """Readings taken inside the fit (on JAX from the trainer's running
+    state, which the monitor leaves unsynced) equal a reading of the model
+    after the fit, and the replayed inputs' saturation a hand count on the
+    layer's input. The replayed batch is 8x the training data, so at the
+    trained scales part of it saturates (at the initial scale of 1, none)."""
+    keras.utils.set_random_seed(0)
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse", jit_compile=jit, steps_per_execution=spe)
+    x, y = _data()
+    probe = (8 * x[:16], y[:16])
+    monitor = Float8Monitor(every_n_steps=spe, data=probe, action="log")
+    watch = _SyncWatch()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[monitor, watch])
+    assert [r["step"] for r in monitor.records] == list(range(spe, 9, spe))
+    if keras.backend.backend() == "jax":
+        assert watch.unsynced and all(watch.unsynced)  # the monitor never
+        # synced, so its readings came from the running state
+    last = dict(monitor.records[-1])
+    assert last.pop("step") == 8
+    after = monitor.measure(steps=spe)
+    assert set(after) == set(last)
+    for key, value in last.items():
+        assert value == pytest.approx(after[key], rel=1e-6, abs=1e-9), key
+    # Hand count: the input of `hot` is `gain`'s output on the batch.
+    layer = model.get_layer("hot")
+    inputs = keras.Model(model.input, model.get_layer("gain").output)
+    a = np.asarray(keras.ops.convert_to_numpy(
+        inputs(probe[0], training=False)), "float32")
+    scale = float(np.asarray(layer.inputs_scale))
+    expected = np.mean(np.abs(a / scale) > 448.0)
+    assert expected > 0.01  # the check below can tell scales apart
+    assert last["float8/hot/inputs_saturation"] == pytest.approx(
+        expected, abs=2 / a.size)
+    assert 0 < last["float8/hot/outputs_grad_scale"] < 1  # trained, not 1
 
 
 def test_every_n_steps_and_steps_per_execution():
@@ -258,3 +325,99 @@ def test_action_stop_stops_training():
         model.fit(x, y, batch_size=8, epochs=3, verbose=0,
                   callbacks=[Grow(model.get_layer("gain"), start=2), monitor])
     assert monitor.records[-1]["step"] < 24
+
+
+# ------------------------------------------------------------ plot_float8
+
+
+def test_plot_float8_draws_the_monitors_records(tmp_path):
+    """Each plotted line is one layer's tensor statistic, point for point
+    the monitor's records (and the History's epoch values); the fallback
+    and its event are drawn where the monitor recorded them."""
+    pytest.importorskip("matplotlib")
+    from kerasmp.float8_plotting import parse_key
+
+    kerasmp.set_global_policy(_policy())
+    model = _model()
+    model.compile("adam", "mse")
+    x, y = _data()
+    monitor = Float8Monitor(data=(x[:16], y[:16]), action="fallback",
+                            every_n_steps=2, warmup_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(
+            x, y, batch_size=8, epochs=2, verbose=0,
+            callbacks=[Grow(model.get_layer("gain"), start=4), monitor])
+    assert monitor.fallbacks == ["hot"]
+    figure = kerasmp.plot_float8(monitor, tmp_path / "f8.png")
+    assert (tmp_path / "f8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    panels = [ax.get_ylabel() for ax in figure.axes]
+    assert panels == ["scale", "amax", "saturation", "underflow"]
+    assert figure.axes[0].get_yscale() == "log"
+    assert figure.axes[2].get_yscale() == "linear"
+    drawn = 0
+    for ax in figure.axes:
+        stat = ax.get_ylabel()
+        for line in ax.get_lines():
+            if not line.get_label() or line.get_label().startswith("_"):
+                continue  # event markers and fallback lines
+            layer, tensor = line.get_label().split(" ")
+            key = f"float8/{layer}/{tensor}_{stat}"
+            expected = [(r["step"], r[key]) for r in monitor.records
+                        if key in r]
+            assert list(zip(line.get_xdata(), line.get_ydata())) == expected
+            drawn += 1
+    # hot, cool x 3 tensors x 4 stats ("hot" stops at its fallback).
+    assert drawn == 24
+    # The fallback: a vertical line at the event's step on every panel.
+    step = monitor.events[0]["step"]
+    for ax in figure.axes:
+        assert [list(l.get_xdata()) for l in ax.get_lines()
+                if l.get_linestyle() == "--" and l.get_color() == "tab:green"
+                ] == [[step, step]]
+    # The History: one point per epoch, the epoch logs' values.
+    figure = kerasmp.plot_float8(history, tmp_path / "h.png",
+                                 layers="cool", tensors="kernel",
+                                 stats=("scale",))
+    (line,) = figure.axes[0].get_lines()
+    assert list(line.get_ydata()) == history.history[
+        "float8/cool/kernel_scale"]
+    assert list(line.get_xdata()) == [1, 2]
+    assert figure.axes[-1].get_xlabel() == "epoch"
+    # Keys with nested paths and underscored tensors parse.
+    assert parse_key("float8/enc/ffn/outputs_grad_amax_history_max") == (
+        "enc/ffn", "outputs_grad", "amax_history_max")
+    assert parse_key("loss") is None
+    for kwargs, match in [({"layers": "nope"}, "'cool', 'hot'"),
+                          ({"tensors": "weights"}, "'outputs_grad'"),
+                          ({"stats": ("scale", "mean")}, "'underflow'")]:
+        with pytest.raises(ValueError, match=match):
+            kerasmp.plot_float8(monitor, tmp_path / "x.png", **kwargs)
+    with pytest.raises(TypeError, match="Float8Monitor"):
+        kerasmp.plot_float8(42, tmp_path / "x.png")
+
+
+def test_replayed_output_gradients_carry_the_current_loss_scale():
+    """Under float8_mixed_float16 the replayed output gradients are the
+    loss gradient times the optimizer's loss scale, as in a training step:
+    d mse / d pred = 2 (pred - y) / size, by hand; after a compile with a
+    new optimizer (another scale) the replay follows the new scale."""
+    from kerasmp import _float8_probe
+
+    kerasmp.set_global_policy(kerasmp.Policy(
+        "float8_mixed_float16", float8=float8.Float8Rule(
+            exclude_first=False, exclude_last=False, min_kernel_size=0)))
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(8, name="f8")])
+    x, y = _data(16)
+    x, y = x[:, :8], np.zeros((16, 8), "float32")
+    for scale in (2.0 ** 4, 2.0 ** 10):
+        model.compile(kerasmp.LossScaleOptimizer(
+            keras.optimizers.SGD(), initial_scale=scale), "mse")
+        layer = model.get_layer("f8")
+        assert layer.quantization_mode == "float8"
+        (row,) = _float8_probe.record(model, [layer], x, y)
+        pred = np.asarray(keras.ops.convert_to_numpy(model(x)), "float32")
+        expected = scale * 2 * (pred - y) / pred.size
+        np.testing.assert_allclose(row["outputs_grad"], expected,
+                                   rtol=2e-3, atol=1e-6 * scale)

@@ -87,6 +87,38 @@ def test_amax_ratio_by_hand():
         pytest.approx(2.0))
 
 
+def _ratio_by_definition(chrono, j, fmt):
+    """Step j's amax over the largest finite amax of the steps before
+    j - 1 (448 or 57344 while there is none above 0: the initial scale 1)."""
+    if not math.isfinite(chrono[j]):
+        return math.nan
+    before = [a for a in chrono[:max(0, j - 1)] if math.isfinite(a)]
+    used = max(before) if before else 0.0
+    return chrono[j] / (used if used > 0 else tm.format_max(fmt))
+
+
+def test_amax_ratios_match_the_definition_step_by_step():
+    """Random histories with zeros, inf and NaN, every window length."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 30))
+        amaxes = np.abs(rng.normal(size=n)) * rng.choice([0, 1, 1, 1], n)
+        if rng.random() < 0.3:
+            amaxes[rng.integers(0, n)] = rng.choice([np.inf, np.nan])
+        fmt = E4M3 if rng.random() < 0.5 else E5M2
+        steps = int(rng.integers(0, n + 3))
+        h = _keras_history(list(amaxes))
+        chrono = list(tm.chronological(h))
+        expected = [_ratio_by_definition(chrono, j, fmt)
+                    for j in range(len(chrono) - min(steps, len(chrono)),
+                                   len(chrono))]
+        got = tm.amax_ratios(h, steps, fmt)
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            assert (math.isnan(g) and math.isnan(e)) or g == pytest.approx(
+                e, rel=1e-12)
+
+
 def test_classify_order_and_thresholds():
     ok = {"scale": 1.0, "amax": 1.0, "amax_history_max": 1.0,
           "amax_ratio": 1.0, "saturation": 0.0}

@@ -357,6 +357,55 @@ def test_jax_state_layout():
     ki.jax_state_sync(model)  # no error outside fit
 
 
+def test_jax_unsynced_state_is_the_running_fit_state():
+    """During a JAX fit, `jax_unsynced_state` holds the newest values,
+    aligned with the variable lists, until a sync; elsewhere it is None.
+    `callback_model` is the callback's model."""
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.arange(6, dtype="float32").reshape(2, 3)
+    y = np.ones((2, 2), "float32")
+    seen = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            model = ki.callback_model(self)  # `self.model` would sync
+            state = ki.jax_unsynced_state(model)
+            if state is None:
+                seen.append(None)
+                return
+            lengths = {
+                name: len(state[name]) == len(getattr(
+                    model.optimizer if name == "optimizer_variables"
+                    else model,
+                    "variables" if name == "optimizer_variables" else name))
+                for name in ki.JAX_STATE_FIELDS}
+            kernel = np.array(state["trainable_variables"][0])
+            ki.jax_state_sync(model)
+            synced = np.asarray(model.trainable_variables[0].value)
+            seen.append((lengths, np.array_equal(kernel, synced),
+                         ki.jax_unsynced_state(model) is None))
+
+    before = np.asarray(model.trainable_variables[0].value)
+    look = Look()
+    model.fit(x, y, batch_size=1, epochs=1, verbose=0, callbacks=[look])
+    assert ki.callback_model(look) is model, _changed("Callback._model")
+    assert ki.jax_unsynced_state(model) is None  # outside fit
+    if BACKEND != "jax":
+        assert seen == [None, None]
+        return
+    assert len(seen) == 2 and None not in seen, _changed(
+        "JAXTrainer._jax_state / _jax_state_synced")
+    for lengths, same, cleared in seen:
+        assert all(lengths.values()), _changed(
+            f"the JAX trainer's running state layout ({lengths})")
+        assert same, _changed("JAXTrainer._jax_state (not the newest values)")
+        assert cleared, _changed("JAXTrainer._jax_state_synced")
+    # The values were the trained ones, not the initial kernel.
+    assert not np.array_equal(before, np.asarray(
+        model.trainable_variables[0].value))
+
+
 def test_jax_step_batches_splits_an_execution_into_steps():
     if keras.backend.backend() != "jax":
         pytest.skip("the JAX trainer's iterator")
