@@ -123,17 +123,10 @@ def float8_series(source, layers=None, tensors=None, stats=DEFAULT_STATS):
             xs, ys = series.setdefault(parsed, ([], []))
             xs.append(x)
             ys.append(float(value))
-    known = sorted({layer for layer, _, _ in series})
+    # The allowed layers: those in `source`.
+    layers = _check_subset(
+        "layers", layers, tuple(sorted({layer for layer, _, _ in series})))
     if layers is not None:
-        if isinstance(layers, str):
-            layers = (layers,)
-        layers = tuple(layers)
-        bad = [layer for layer in layers if layer not in known]
-        if bad or not layers:
-            raise ValueError(
-                f"plot_float8: invalid `layers`: {bad or layers!r}. Layers "
-                f"in `source`: {', '.join(map(repr, known)) or 'none'}."
-            )
         series = {k: v for k, v in series.items() if k[0] in layers}
     return series, events, x_label
 
