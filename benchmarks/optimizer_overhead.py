@@ -129,7 +129,7 @@ def _interleaved(runners, repeats, steps):
     return times
 
 
-def train_step_runners(build, steps):
+def train_step_runners(build, steps, jit_compile="auto"):
     runners = {}
     (model0, (shape, batch)) = build()
     weights = model0.get_weights()
@@ -143,6 +143,7 @@ def train_step_runners(build, steps):
             make(),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=steps,
+            jit_compile=jit_compile,
         )
         runners[name] = lambda model=model: model.fit(
             x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False
@@ -222,6 +223,11 @@ def main(argv=None):
         "--models", nargs="+", choices=list(MODELS), default=list(MODELS)
     )
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--jit-compile", action="store_true",
+        help="compile the train steps with XLA (both optimizers); on CPUs "
+        "whose TensorFlow float16 kernels are slow without it",
+    )
     args = parser.parse_args(argv)
 
     keras.config.set_dtype_policy("mixed_float16")
@@ -234,7 +240,11 @@ def main(argv=None):
         ):
             if model_name == "CNN+BN" and kind == "apply only":
                 continue  # the same optimizer update as the CNN's
-            runners = make_runners(build, args.steps)
+            if kind == "train step":
+                runners = make_runners(build, args.steps,
+                                       jit_compile=args.jit_compile or "auto")
+            else:
+                runners = make_runners(build, args.steps)
             times = _interleaved(runners, args.repeats, args.steps)
             rows.append({"model": model_name, "what": kind, **summarize(times)})
 

@@ -120,6 +120,7 @@ def test_flex_op_error_names_op_and_layer(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+@pytest.mark.slow  # 45 s: jax2tf, then the converter, twice per family
 @pytest.mark.skipif(BACKEND != "jax", reason="the JAX route (jax2tf)")
 @pytest.mark.parametrize("family", ["mistral", "gemma"])
 def test_decoder_tflite_from_jax_fixes_the_batch(tmp_path, family):

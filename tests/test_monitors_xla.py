@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 from _helpers import NaiveSoftmax
+from _helpers import slow_on
 from keras import ops
 
 from kerasmp.callbacks import LossScaleMonitor
@@ -171,7 +172,8 @@ def _summary(events):
     ]
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "jit", [pytest.param(False, marks=slow_on("jax")), True])  # eager JAX: 23 s
 def test_multi_step_events_equal_single_step_events(jit):
     """Issue 10.5: 5 skips, 3 good steps, 8 skips, patience 10: no stuck,
     all steps run, and each event at its own step."""

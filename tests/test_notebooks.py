@@ -73,11 +73,12 @@ def test_stored_without_outputs(name):
 
 @pytest.mark.parametrize(
     "name", [
-        # 01 trains a CNN for 8 epochs: 100 s on TensorFlow (float16
-        # convolutions without XLA), 30 s on JAX.
+        # Each runs once in the default suite, on the cheaper backend, and
+        # on the other in CI's slow pass: 01 trains a CNN for 8 epochs (100 s
+        # on TensorFlow, float16 convolutions without XLA; 20 s on JAX).
         pytest.param("01_quickstart.ipynb", marks=slow_on("tensorflow")),
-        "02_debugging_nonfinite.ipynb",
-        "04_underflow.ipynb",
+        pytest.param("02_debugging_nonfinite.ipynb", marks=slow_on("jax")),
+        pytest.param("04_underflow.ipynb", marks=slow_on("jax")),
     ]
 )
 def test_notebook_runs(name, tmp_path):
