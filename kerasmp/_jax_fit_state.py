@@ -68,9 +68,8 @@ def values(model, variables, where):
     writing anything back; a variable the state does not hold makes this
     sync first (correct, slower). Otherwise they are the variables' values.
     """
-    state = _ki.jax_unsynced_state(model)
-    if state is not None:
-        fields = [state.get(name) for name in FIELDS]
+    fields = _running(model, None)
+    if fields is not None:
         try:
             return [fields[f][i] for f, i in where]
         except (TypeError, IndexError):
