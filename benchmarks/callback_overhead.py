@@ -33,6 +33,7 @@ thread-pooled dispatch of batch callbacks (any callback with
 Usage:
     KERAS_BACKEND=tensorflow python benchmarks/callback_overhead.py
     KERAS_BACKEND=jax python benchmarks/callback_overhead.py --trials 5
+    KERAS_BACKEND=tensorflow python benchmarks/callback_overhead.py --jit-compile
     python benchmarks/callback_overhead.py --quick
 """
 
@@ -77,12 +78,13 @@ def data(samples, seed=0):
     return x, y
 
 
-def make_model(weights):
+def make_model(weights, jit_compile="auto"):
     model = build_cnn()
     model.set_weights(weights)
     model.compile(
         optimizer=LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
     )
     return model
 
@@ -181,6 +183,11 @@ def main(argv=None):
         "--quick", action="store_true", help="3 trials on 512 samples"
     )
     parser.add_argument(
+        "--jit-compile", action="store_true",
+        help="compile every configuration's train step with XLA; on CPUs "
+        "whose TensorFlow float16 kernels are slow without it",
+    )
+    parser.add_argument(
         "--out", default=os.path.join(RESULTS, "callback_overhead.json")
     )
     args = parser.parse_args(argv)
@@ -199,7 +206,7 @@ def main(argv=None):
     models = {}
     for name in CONFIGS:
         keras.utils.set_random_seed(0)
-        models[name] = make_model(weights)
+        models[name] = make_model(weights, args.jit_compile or "auto")
         warm = 2 * args.batch_size
         timed_fit(models[name], x[:warm], y[:warm], args.batch_size, 1, name)
 
@@ -282,6 +289,7 @@ def main(argv=None):
         "epochs_per_fit": args.epochs,
         "steps_per_fit": steps,
         "trials": args.trials,
+        "jit_compile": args.jit_compile or "auto",
         "configs": {
             "plain": "no callbacks",
             "monitors": "LossScaleMonitor() + NonFiniteMonitor()",

@@ -545,6 +545,8 @@ class _Steps:
             count = max(0, min(k, position - self.position_seen))
             self.position_seen = position
             raw = [table[(position - count + i) % k] for i in range(count)]
+        elif pending is not None and len(pending[1]) == 1:
+            raw = [read(pending[1][0])]  # one step: no stacking op to run
         elif pending is not None and pending[1]:
             raw = list(read(ops.stack(pending[1])))
         self._rows = []
