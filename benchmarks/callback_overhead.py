@@ -33,8 +33,7 @@ thread-pooled dispatch of batch callbacks (any callback with
 Usage:
     KERAS_BACKEND=tensorflow python benchmarks/callback_overhead.py
     KERAS_BACKEND=jax python benchmarks/callback_overhead.py --trials 5
-    KERAS_BACKEND=tensorflow python benchmarks/callback_overhead.py \
-        --jit-compile
+    python benchmarks/callback_overhead.py --jit-compile  # TF under XLA
     python benchmarks/callback_overhead.py --quick
 """
 
