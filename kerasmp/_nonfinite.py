@@ -151,12 +151,10 @@ def classify(state, row, rules):
     """
     scale_before = state.scale
     if rules.scaled:
-        state = dataclasses.replace(
-            state, scale=row["scale"], skipped=row["total"]
-        )
+        state = _with(state, scale=row["scale"], skipped=row["total"])
     if not row["skipped"]:
         # An update went through: the run of skips (and calibration) ends.
-        state = dataclasses.replace(
+        state = _with(
             state,
             calibrating=False,
             last_consecutive=0,
@@ -208,6 +206,14 @@ def classify(state, row, rules):
             ("loss_finite", not forward),
         ),
     )
+
+
+def _with(state, **changes):
+    """`state` with `changes`; `state` itself when they change nothing (the
+    common step, applied with the scale unchanged, builds no new object)."""
+    if all(getattr(state, k) == v for k, v in changes.items()):
+        return state
+    return dataclasses.replace(state, **changes)
 
 
 def _loss_verdict(state):
