@@ -45,6 +45,7 @@ import keras
 from kerasmp import _keras_internals as _ki
 from kerasmp._layers import walk
 from kerasmp._namematch import NameMatcher
+from kerasmp._policy_marker import Marked
 
 FLOAT8_NAMES = {
     "float8_mixed_bfloat16": "mixed_bfloat16",
@@ -217,7 +218,9 @@ def rule_for(name, float8):
 
 
 @keras.saving.register_keras_serializable(package="kerasmp")
-class Float8Assignment(keras.dtype_policies.QuantizedFloat8DTypePolicy):
+class Float8Assignment(
+    Marked, keras.dtype_policies.QuantizedFloat8DTypePolicy
+):
     """The policy of a layer that a float8 `kerasmp.Policy` trains in float8.
 
     It is Keras's `QuantizedFloat8DTypePolicy("float8", <base policy>)` (the
@@ -228,6 +231,8 @@ class Float8Assignment(keras.dtype_policies.QuantizedFloat8DTypePolicy):
         policy: The float8 `kerasmp.Policy`.
         rule: Why the layer is float8 (a short text).
     """
+
+    WHY = "rule"
 
     def __init__(self, policy, rule):
         super().__init__(
@@ -245,28 +250,9 @@ class Float8Assignment(keras.dtype_policies.QuantizedFloat8DTypePolicy):
             amax_history_length=self.amax_history_length,
         )
 
-    def get_config(self):
-        return {"policy": keras.saving.serialize_keras_object(self.policy),
-                "rule": self.rule}
-
-    @classmethod
-    def from_config(cls, config):
-        policy = keras.saving.deserialize_keras_object(config["policy"])
-        return cls(policy, config["rule"])
-
-    def __eq__(self, other):
-        return (isinstance(other, Float8Assignment)
-                and self.rule == other.rule and self.policy == other.policy)
-
-    def __hash__(self):
-        return hash(("float8", self.rule))
-
-    def __repr__(self):
-        return f'<kerasmp.Float8Assignment "{self.name}" ({self.rule})>'
-
 
 @keras.saving.register_keras_serializable(package="kerasmp")
-class Float8Fallback(keras.DTypePolicy):
+class Float8Fallback(Marked, keras.DTypePolicy):
     """The policy of a layer moved off float8 (by `Float8Monitor`'s
     fallback, or by `fall_back`): it computes in the float8 policy's base
     policy (`mixed_bfloat16` or `mixed_float16`) and is never re-assigned.
@@ -276,29 +262,12 @@ class Float8Fallback(keras.DTypePolicy):
         reason: Why the layer left float8 (a short text).
     """
 
+    WHY = "reason"
+
     def __init__(self, policy, reason):
         super().__init__(base_name(policy.name))
         self.policy = policy
         self.reason = reason
-
-    def get_config(self):
-        return {"policy": keras.saving.serialize_keras_object(self.policy),
-                "reason": self.reason}
-
-    @classmethod
-    def from_config(cls, config):
-        policy = keras.saving.deserialize_keras_object(config["policy"])
-        return cls(policy, config["reason"])
-
-    def __eq__(self, other):
-        return (isinstance(other, Float8Fallback)
-                and self.reason == other.reason and self.policy == other.policy)
-
-    def __hash__(self):
-        return hash(("float8_fallback", self.reason))
-
-    def __repr__(self):
-        return f'<kerasmp.Float8Fallback "{self.name}" ({self.reason})>'
 
 
 POLICY_CLASSES = (Float8Assignment, Float8Fallback)

@@ -33,6 +33,7 @@ from kerasmp import _keras_internals as _ki
 from kerasmp import _norm_rule
 from kerasmp import float8 as _float8
 from kerasmp._namematch import NameMatcher
+from kerasmp._policy_marker import Marked
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
                 "float32", "float64") + tuple(_float8.FLOAT8_NAMES)
@@ -233,7 +234,7 @@ def _class_from_config(config):
 
 
 @keras.saving.register_keras_serializable(package="kerasmp")
-class Float32Override(keras.DTypePolicy):
+class Float32Override(Marked, keras.DTypePolicy):
     """The float32 policy a `Policy` gives the layers its rules match.
 
     It computes and stores variables in float32 like
@@ -246,29 +247,12 @@ class Float32Override(keras.DTypePolicy):
         rule: The description of the rule, as `Policy.float32_rule` gives it.
     """
 
+    WHY = "rule"
+
     def __init__(self, policy, rule):
         super().__init__("float32")
         self.policy = policy
         self.rule = rule
-
-    def get_config(self):
-        return {"policy": keras.saving.serialize_keras_object(self.policy),
-                "rule": self.rule}
-
-    @classmethod
-    def from_config(cls, config):
-        policy = keras.saving.deserialize_keras_object(config["policy"])
-        return cls(policy, config["rule"])
-
-    def __eq__(self, other):
-        return (isinstance(other, Float32Override)
-                and self.rule == other.rule and self.policy == other.policy)
-
-    def __hash__(self):
-        return hash(("float32", self.rule))
-
-    def __repr__(self):
-        return f'<kerasmp.Float32Override "float32" ({self.rule})>'
 
 
 @keras.saving.register_keras_serializable(package="kerasmp")

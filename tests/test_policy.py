@@ -740,3 +740,39 @@ def test_hand_back_casts_only_float_tensors_and_keeps_masks():
             out["x"])), [True, False])
     assert out["ids"] is ids and out["s"] is symbolic and out["n"] == 3.0
     assert originals == {id(out["x"]): (out["x"], x)}
+
+
+def test_per_layer_policies_round_trip_and_compare_by_policy_and_reason():
+    # The three policies a Policy sets on single layers share one mixin
+    # (kerasmp._policy_marker.Marked); their saved configs keep the keys
+    # files already hold ("rule" / "reason"), and equality needs the same
+    # class, text and governing policy.
+    from kerasmp.float8 import Float8Assignment
+    from kerasmp.float8 import Float8Fallback
+
+    mixed = kerasmp.Policy("mixed_float16")
+    fp8 = kerasmp.Policy("float8_mixed_bfloat16")
+    cases = [
+        (kerasmp.Float32Override(mixed, "softmax"), "rule", "float32"),
+        (Float8Assignment(fp8, "Dense"), "rule", "float8_from_mixed_bfloat16"),
+        (Float8Fallback(fp8, "saturated"), "reason", "mixed_bfloat16"),
+    ]
+    for policy, key, name in cases:
+        saved = keras.saving.serialize_keras_object(policy)
+        assert set(saved["config"]) == {"policy", key}, saved
+        back = keras.saving.deserialize_keras_object(saved)
+        assert type(back) is type(policy) and back.name == name
+        assert back == policy and hash(back) == hash(policy)
+        assert getattr(back, key) == getattr(policy, key)
+        assert repr(back) == (
+            f'<kerasmp.{type(policy).__name__} "{name}" '
+            f"({getattr(policy, key)})>"
+        )
+    override, assignment, fallback = (c[0] for c in cases)
+    assert override != kerasmp.Float32Override(mixed, "LayerNormalization")
+    assert override != kerasmp.Float32Override(
+        kerasmp.Policy("mixed_bfloat16"), "softmax"
+    )
+    # Same text, different class: not equal.
+    assert assignment != Float8Fallback(fp8, "Dense")
+    assert fallback != keras.DTypePolicy("mixed_bfloat16")
