@@ -139,15 +139,38 @@ def draw_inputs(model, specs, n, seed=0):
     return arrays
 
 
-def as_input_list(sample, specs):
+def _input_keys(model):
+    """The keys of a graph model's dict of inputs in `specs` order (what
+    `fit` and `predict` take), or None when its inputs are not a dict."""
+    if isinstance(model, HalfModel):
+        return _input_keys(model.source_model())
+    if not is_graph_model(model) or isinstance(model, keras.Sequential):
+        return None
+    inputs = model.input
+    if not isinstance(inputs, dict):
+        return None
+    return keras.tree.flatten({key: key for key in inputs})
+
+
+def as_input_list(sample, specs, model=None):
+    """`sample` (an array, a list of arrays, or a dict keyed by input name
+    or by the keys of `model`'s dict of inputs) as the list of arrays in
+    `specs` order, each checked against its spec."""
     if isinstance(sample, dict):
-        missing = [name for name, _, _ in specs if name not in sample]
+        names = [name for name, _, _ in specs]
+        keys = _input_keys(model) if model is not None else None
+        if keys is not None and not set(names) <= set(sample):
+            names = keys  # keyed as `fit` and `predict` take the inputs
+        missing = [name for name in names if name not in sample]
         if missing:
+            allowed = [s[0] for s in specs]
+            if keys is not None and keys != allowed:
+                allowed = f"{keys} (the model's input keys) or {allowed}"
             raise ValueError(
                 f"`sample` is missing inputs {missing}; expected keys "
-                f"{[s[0] for s in specs]}."
+                f"{allowed}."
             )
-        arrays = [np.asarray(sample[name]) for name, _, _ in specs]
+        arrays = [np.asarray(sample[name]) for name in names]
     elif isinstance(sample, (list, tuple)):
         arrays = [np.asarray(a) for a in sample]
     else:

@@ -148,7 +148,9 @@ def decide(model, dtype, rules):
     rule_policy = _policy.Policy(dtype, float32_layers=rules)
     kept, out_of_range = {}, set()
     ancestors = {}
-    for path, layer in walk(model):
+    layers = list(walk(model))
+    mixed = any(_half_policy(layer) for _, layer in layers)
+    for path, layer in layers:
         parent = path.rsplit("/", 1)[0] if "/" in path else None
         reason = None
         if parent is not None and parent in ancestors:
@@ -171,6 +173,10 @@ def decide(model, dtype, rules):
             rule = rule_policy.float32_rule(layer)
             if rule is not None:
                 reason = rule
+            elif mixed and _pinned_float32(layer):
+                # The mixed-precision guide's float32 output layer, or any
+                # layer the user pinned: it stays as the user built it.
+                reason = "dtype='float32' in the model"
         if reason is not None and not isinstance(
             layer, keras.layers.InputLayer
         ):
@@ -178,6 +184,26 @@ def decide(model, dtype, rules):
             ancestors[path] = reason
     return kept, out_of_range
 
+
+
+def _half_policy(layer):
+    """Whether `layer` computes in float16 or bfloat16 (the model is a
+    mixed-precision one)."""
+    if isinstance(layer, keras.layers.InputLayer):
+        return False
+    return keras.backend.standardize_dtype(layer.compute_dtype) in (
+        "float16", "bfloat16")
+
+
+def _pinned_float32(layer):
+    """Whether `layer` was built with a plain float32 policy of its own
+    (`dtype="float32"`), not one a kerasmp `Policy` gave it."""
+    stored = _policy.stored_policy(layer)
+    return (
+        type(stored) is keras.DTypePolicy
+        and stored.name == "float32"
+        and not isinstance(layer, keras.layers.InputLayer)
+    )
 
 
 def unique_variables(model):

@@ -130,7 +130,14 @@ def root_cause(e):
     while e.__cause__ is not None or e.__context__ is not None:
         e = e.__cause__ or e.__context__
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+    line = text[0] if text else ""
+    if len(line) > _CAUSE_CHARS:  # cut at a word, and say so
+        line = line[:_CAUSE_CHARS].rsplit(" ", 1)[0] + " ..."
+    return f"{type(e).__name__}: {line}"
+
+
+_CAUSE_CHARS = 300
+"""How much of the innermost exception's first line `root_cause` quotes."""
 
 
 class _float32_global:
@@ -187,7 +194,9 @@ def build(model, dtype, keep_float32=None, check=None):
     parent's code: TensorFlow refuses to add them, JAX promotes silently, so
     the file would load on one backend only), the model is rebuilt with
     those layers in the half-precision dtype, with a warning naming them;
-    they are left out of the returned kept layers.
+    they are left out of the returned kept layers. A float32 default that
+    reaches kept layers only (a top-level `Activation(dtype="float32")`)
+    is always kept.
 
     Raises:
         NotExpressible: naming the layer, before anything is written.
@@ -245,7 +254,7 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
             return _policy_map(dtype, {})
         family = [(wpath.get(id(l), ""), l)
                   for l in [layer] + [l for _, l in walk(layer)]]
-        entries, pathless_kept = {}, False
+        entries, pathless_kept, widens = {}, [], False
         for i, (path, sub) in enumerate(family):
             name = "float32" if path in kept else dtype
             if name == "float32" and i > 0 and isinstance(sub, _UPCASTING):
@@ -259,11 +268,16 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
             if sub.path:
                 entries[sub.path] = name
             elif path in kept:
-                pathless_kept = True
-                if path not in pathless:
-                    pathless.append(path)
-        default = "float32" if pathless_kept and pathless_float32 else dtype
-        return _policy_map(default, entries)
+                pathless_kept.append(path)
+            else:
+                widens = True  # a float32 default would reach this one too
+        # A float32 default that reaches only kept layers (a top-level
+        # `Activation(dtype="float32")`: no sublayers) is always right.
+        float32_default = bool(pathless_kept) and (
+            pathless_float32 or not widens)
+        if not float32_default:
+            pathless.extend(p for p in pathless_kept if p not in pathless)
+        return _policy_map("float32" if float32_default else dtype, entries)
 
     rebuilt = _rebuild(_rewrite(config, probe, node_policy), model)
     for path, src, layer in _pairs(model, rebuilt):

@@ -357,9 +357,11 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
         dtype: `"float16"` (default), `"bfloat16"` (not for TFLite/ONNX) or
             `"float32"` (a plain export, for comparison).
         sample: Inputs for the parity check: an array, a list of arrays (one
-            per model input) or a dict keyed by input name. Defaults to 512
-            draws that respect the model (`_export_formats.draw_inputs`:
-            token ids within the embedding's vocabulary, a front
+            per model input) or a dict keyed by input name or, for a model
+            built on a dict of inputs, by its keys (as `fit` takes them).
+            Defaults to 512 draws that respect the model
+            (`_export_formats.draw_inputs`: token ids within the
+            embedding's vocabulary, a front
             `Rescaling`/`Normalization` layer's range, else uniform [0, 1)).
         keep_float32: As for `to_float16`.
         overwrite: Whether to replace an existing `path` (atomically).
@@ -406,7 +408,7 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
         arrays = _io.draw_inputs(model, specs, DEFAULT_NUM_SAMPLES)
         origin = "default draws"
     else:
-        arrays, origin = _io.as_input_list(sample, specs), "sample"
+        arrays, origin = _io.as_input_list(sample, specs, model), "sample"
     fmt = _io.REGISTRY[format]
     model32, _ = _half.convert(model, "float32")
     reference = _io.predict_keras(model32, arrays)

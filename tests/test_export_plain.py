@@ -443,3 +443,59 @@ def test_onnx_from_jax_is_one_clear_error_before_any_work(tmp_path):
     assert "needs the TensorFlow backend" in message and "\n" not in message
     assert "KERAS_BACKEND=tensorflow" in message and "'tflite'" in message
     assert list(tmp_path.iterdir()) == []
+
+
+def build_dict_inputs_pinned_output():
+    # Inputs passed as a dict whose keys are not the tensors' names (Keras
+    # warns but fit and predict take it), and the mixed-precision guide's
+    # float32 output layer: `Activation("linear", dtype="float32")`.
+    inputs = {"ids": keras.Input((6,)), "extra": keras.Input((4,))}
+    x = layers.Concatenate(name="cat")([inputs["ids"], inputs["extra"]])
+    x = layers.Dense(16, activation="relu", name="d16")(x)
+    x = layers.Dense(3, name="logits")(x)
+    out = layers.Activation("linear", dtype="float32", name="out32")(x)
+    return keras.Model(inputs, out, name="pinned")
+
+
+def test_a_pinned_float32_output_stays_float32_and_fit_style_samples_work(
+        tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Keras: dict key names
+        model, ref = _mixed(build_dict_inputs_pinned_output)
+    rng = np.random.default_rng(2)
+    sample = {"ids": rng.uniform(0, 1, (32, 6)).astype("float32"),
+              "extra": rng.uniform(0, 1, (32, 4)).astype("float32")}
+    path = str(tmp_path / "pinned.keras")
+    report = kx.export(model, path, format="keras", sample=sample)
+    # The layer the user pinned to float32 stays so, and so do the outputs
+    # the report promises ("float32 inputs/outputs").
+    assert "dtype='float32'" in report.kept_float32["out32"]
+    assert "d16" not in report.kept_float32
+    assert report.output_dtypes == ("float32",)
+    loaded = keras.saving.load_model(path, compile=False)
+    assert loaded.get_layer("out32").compute_dtype == "float32"
+    assert loaded.get_layer("d16").compute_dtype == "float16"
+    got = keras.ops.convert_to_numpy(loaded(sample, training=False))
+    want = keras.ops.convert_to_numpy(ref(sample, training=False))
+    assert got.dtype == np.float32
+    assert np.max(np.abs(got - want)) / np.ptp(want) <= 2e-2
+    # A sample keyed neither way names both key sets.
+    with pytest.raises(ValueError, match=r"\['extra', 'ids'\]"):
+        kx.export(model, str(tmp_path / "bad.keras"), format="keras",
+                  sample={"ids": sample["ids"]})
+    # A float32 model has no pinned layers to keep: all of it is halved.
+    plain = kx.export(ref, str(tmp_path / "f32.keras"), format="keras",
+                      keep_float32=[])
+    assert plain.kept_float32 == {} and plain.weight_ratio <= 0.52
+
+
+def test_root_cause_quotes_a_long_first_line_cut_at_a_word():
+    from kerasmp._plain_keras import root_cause
+
+    short = ValueError("short reason")
+    assert root_cause(short) == "ValueError: short reason"
+    words = " ".join(f"word{i}" for i in range(100))  # 689 characters
+    cut = root_cause(TypeError(words))
+    assert cut.startswith("TypeError: word0 word1 ") and cut.endswith(" ...")
+    body = cut[len("TypeError: "):-len(" ...")]
+    assert words.startswith(body + " ") and len(body) <= 300
