@@ -152,13 +152,13 @@ def _input_keys(model):
     return keras.tree.flatten({key: key for key in inputs})
 
 
-def as_input_list(sample, specs, model=None):
+def as_input_list(sample, specs, model):
     """`sample` (an array, a list of arrays, or a dict keyed by input name
     or by the keys of `model`'s dict of inputs) as the list of arrays in
     `specs` order, each checked against its spec."""
     if isinstance(sample, dict):
         names = [name for name, _, _ in specs]
-        keys = _input_keys(model) if model is not None else None
+        keys = _input_keys(model)
         if keys is not None and not set(names) <= set(sample):
             names = keys  # keyed as `fit` and `predict` take the inputs
         missing = [name for name in names if name not in sample]

@@ -199,11 +199,7 @@ def _pinned_float32(layer):
     """Whether `layer` was built with a plain float32 policy of its own
     (`dtype="float32"`), not one a kerasmp `Policy` gave it."""
     stored = _policy.stored_policy(layer)
-    return (
-        type(stored) is keras.DTypePolicy
-        and stored.name == "float32"
-        and not isinstance(layer, keras.layers.InputLayer)
-    )
+    return type(stored) is keras.DTypePolicy and stored.name == "float32"
 
 
 def unique_variables(model):
