@@ -11,7 +11,7 @@ Four copies of the model start from the same weights: "plain" (no callbacks),
 instances for every fit), "sync" (a no-op
 `LambdaCallback(on_train_batch_end=...)`: what any batch-end callback costs by
 turning off Keras's asynchronous callback dispatch, as `NonFiniteMonitor` and
-`TerminateOnNaN` do) and "performance" (`kerasmp.performance.
+`TerminateOnNaN` do) and "performance" (`kerasmp.callbacks.performance.
 PerformanceMonitor()` alone, default arguments). Each is warmed up (traced)
 once, then fits of `--epochs` epochs cycle through the configurations, starting
 with a different one each trial, in one process. Reported: the median over
@@ -57,8 +57,8 @@ import optimizer_overhead  # noqa: E402  (this directory: the same CNN)
 
 from kerasmp.callbacks import LossScaleMonitor  # noqa: E402
 from kerasmp.callbacks import NonFiniteMonitor  # noqa: E402
+from kerasmp.callbacks.performance import PerformanceMonitor  # noqa: E402
 from kerasmp.optimizer import LossScaleOptimizer  # noqa: E402
-from kerasmp.performance import PerformanceMonitor  # noqa: E402
 from kerasmp.policy import Policy  # noqa: E402
 from kerasmp.policy import set_global_policy  # noqa: E402
 
@@ -139,7 +139,7 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
     would pass (the step itself is not run). Wall-clock noise from other
     processes barely touches a loop this short.
     """
-    from kerasmp import _train_step
+    from kerasmp.train_step import steps as _train_step
 
     lsm, nfm = LossScaleMonitor(), NonFiniteMonitor()
     params = {"epochs": 1, "steps": repeats, "verbose": 0}

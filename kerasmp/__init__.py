@@ -4,8 +4,7 @@ and exportable.
 `import kerasmp` is cheap: it imports neither Keras nor TensorFlow/JAX. The
 public names below are imported on first use (PEP 562 module `__getattr__`),
 so `kerasmp --help` and `from kerasmp.apps import cli` start in a fraction
-of a second. kerasmp's hooks (the end of `kerasmp/policy.py` and
-`kerasmp/_compile.py`) and its
+of a second. kerasmp's patches (`kerasmp/_patches.py`) and its
 serializable classes are installed as soon as Keras is imported, whichever
 of `kerasmp` and `keras` the program imports first, so a saved model that
 names `kerasmp>Policy` or `kerasmp>LossScaleOptimizer` loads after a bare
@@ -27,8 +26,8 @@ __version__ = "0.1.0"
 # Public name -> (module, attribute or None for the module itself).
 _LAZY = {
     "callbacks": ("kerasmp.callbacks", None),
-    "CheckReport": ("kerasmp.checks", "CheckReport"),
-    "check": ("kerasmp.checks", "check"),
+    "CheckReport": ("kerasmp.debug.hazards", "CheckReport"),
+    "check": ("kerasmp.debug.hazards", "check"),
     "debug": ("kerasmp.debug", None),
     "export": ("kerasmp.export", None),
     "NonFiniteError": ("kerasmp.errors", "NonFiniteError"),
@@ -36,7 +35,7 @@ _LAZY = {
     "LossScaleMonitor": ("kerasmp.callbacks", "LossScaleMonitor"),
     "LossScaleOptimizer": ("kerasmp.optimizer", "LossScaleOptimizer"),
     "NonFiniteMonitor": ("kerasmp.callbacks", "NonFiniteMonitor"),
-    "Float8Monitor": ("kerasmp.float8_monitor", "Float8Monitor"),
+    "Float8Monitor": ("kerasmp.callbacks.float8", "Float8Monitor"),
     "Float8Rule": ("kerasmp.float8", "Float8Rule"),
     "plot_loss_scale": ("kerasmp.plotting", "plot_loss_scale"),
     "plot_float8": ("kerasmp.float8_plotting", "plot_float8"),
@@ -45,13 +44,13 @@ _LAZY = {
     "Policy": ("kerasmp.policy", "Policy"),
     "float32_rule": ("kerasmp.policy", "float32_rule"),
     "global_policy": ("kerasmp.policy", "global_policy"),
-    "install": ("kerasmp._compile", "install"),
-    "uninstall": ("kerasmp._compile", "uninstall"),
+    "install": ("kerasmp._patches", "install"),
+    "uninstall": ("kerasmp._patches", "uninstall"),
     "stored_policy": ("kerasmp.policy", "stored_policy"),
     "policy_scope": ("kerasmp.policy", "policy_scope"),
     "set_global_policy": ("kerasmp.policy", "set_global_policy"),
-    "DTypeReport": ("kerasmp.report", "DTypeReport"),
-    "dtype_report": ("kerasmp.report", "dtype_report"),
+    "DTypeReport": ("kerasmp.policy.report", "DTypeReport"),
+    "dtype_report": ("kerasmp.policy.report", "dtype_report"),
 }
 
 __all__ = [
@@ -87,7 +86,7 @@ __all__ = [
 
 # Modules that register kerasmp's Keras-serializable classes (and install the
 # policy hooks): imported as soon as Keras is.
-_REGISTERING = ("kerasmp.policy", "kerasmp.optimizer", "kerasmp._compile")
+_REGISTERING = ("kerasmp._patches", "kerasmp.export.half")
 
 
 def __getattr__(name):

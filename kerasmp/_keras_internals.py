@@ -4,7 +4,7 @@ Every `keras.src` import and every read or write of a private attribute of
 a Keras object (`layer._flatten_layers`, `optimizer._iterations`, ...) lives
 here, as a small named function. Other kerasmp modules call these functions
 and use only Keras's public API otherwise; the patches at the end of
-`kerasmp/policy.py` and in `kerasmp/_compile.py` (which *patch*
+`kerasmp/policy/policy.py` and in `kerasmp/_patches.py` (which *patch*
 Keras: the `_dtype_policy` descriptor, `Layer.__call__`, `compile`,
 `from_config`, `dtype_policies.serialize`/`deserialize`) get every Keras
 class, module and private attribute name they patch from here.

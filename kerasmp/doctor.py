@@ -3,7 +3,8 @@
 Reports versions, the Keras backend, the devices that backend sees, and the
 policy to use here, with the reason. It never fails on a machine without an
 accelerator: unknown facts are reported as unknown. The device lookup itself
-lives in `kerasmp._devices` (shared with `PerformanceMonitor` and the apps).
+lives in `kerasmp._utils.devices` (shared with `PerformanceMonitor` and the
+apps).
 """
 
 import dataclasses
@@ -13,9 +14,9 @@ import os
 import platform
 import sys
 
-from kerasmp._devices import Device  # noqa: F401  (kerasmp.doctor.Device)
-from kerasmp._devices import cpu_flags
-from kerasmp._devices import visible_devices
+from kerasmp._utils.devices import Device  # noqa: F401  (kerasmp.doctor.Device)
+from kerasmp._utils.devices import cpu_flags
+from kerasmp._utils.devices import visible_devices
 
 
 @dataclasses.dataclass

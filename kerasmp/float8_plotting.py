@@ -9,7 +9,7 @@ only when a plot is made and without pyplot, as for `plot_loss_scale`.
 
 import os
 
-from kerasmp import _float8_telemetry as _tm
+from kerasmp.float8 import telemetry as _tm
 
 STATS = ("scale", "amax", "amax_history_max", "amax_ratio", "saturation",
          "underflow")
@@ -59,7 +59,7 @@ def _rows(source):
     """(rows, events, x label): rows are `(x, {key: value})`."""
     import keras
 
-    from kerasmp.float8_monitor import Float8Monitor
+    from kerasmp.callbacks.float8 import Float8Monitor
 
     if isinstance(source, Float8Monitor):
         rows = [(r["step"], r) for r in source.records]

@@ -97,8 +97,8 @@ def _series(source):
     """(steps, scales, skipped_steps, events, x_label) from any source."""
     import keras
 
-    from kerasmp.callbacks import LossScaleMonitor
-    from kerasmp.callbacks import NonFiniteMonitor
+    from kerasmp.callbacks.monitors import LossScaleMonitor
+    from kerasmp.callbacks.monitors import NonFiniteMonitor
 
     if isinstance(source, keras.callbacks.History):
         steps_per_epoch = (source.params or {}).get("steps")

@@ -1,8 +1,8 @@
-"""`kerasmp._table.render_table` against hand-written tables."""
+"""`kerasmp._utils.table.render_table` against hand-written tables."""
 
 import pytest
 
-from kerasmp._table import render_table
+from kerasmp._utils.table import render_table
 
 
 def test_left_aligned_with_column_rules():

@@ -5,7 +5,7 @@ Trains a small model zoo (an MLP, a CNN and a transformer encoder, built by
 reports per model and policy:
 
 - `steps_per_s`: training steps per second, the median over `repeats` timed
-  `fit` calls, as `kerasmp.performance.PerformanceMonitor(warmup_steps=1)`
+  `fit` calls, as `kerasmp.callbacks.PerformanceMonitor(warmup_steps=1)`
   logs it. Each timed call runs `steps` steps; the clock starts when the
   first step's logs reach the callbacks and stops at the last step's, so
   tracing/compilation (a warm-up `fit` beforehand), data-pipeline set-up and
@@ -54,19 +54,19 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
-from kerasmp._devices import jax_memory_stats
-from kerasmp._devices import main_device
-from kerasmp._devices import tf_first_gpu
-from kerasmp._table import render_table
+from kerasmp._utils.devices import jax_memory_stats
+from kerasmp._utils.devices import main_device
+from kerasmp._utils.devices import tf_first_gpu
+from kerasmp._utils.table import render_table
 from kerasmp.apps.zoo import MODELS  # noqa: F401  (the CLI's choices)
 from kerasmp.apps.zoo import NUM_CLASSES  # noqa: F401  (re-exported)
 from kerasmp.apps.zoo import ModelSpec
 from kerasmp.apps.zoo import build_model
 from kerasmp.apps.zoo import make_data
-from kerasmp.debug import record_calls
-from kerasmp.float8 import float8_layers
-from kerasmp.performance import PerformanceMonitor
-from kerasmp.policy import handoff_dtype
+from kerasmp.callbacks.performance import PerformanceMonitor
+from kerasmp.debug.nonfinite import record_calls
+from kerasmp.float8.rule import float8_layers
+from kerasmp.policy.policy import handoff_dtype
 
 POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16",
             "float8_mixed_bfloat16")
@@ -282,9 +282,9 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
     Returns:
         A dict: one row of the benchmark's JSON.
     """
-    from kerasmp.optimizer import LossScaleOptimizer
-    from kerasmp.policy import Policy
-    from kerasmp.policy import policy_scope
+    from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
+    from kerasmp.policy.policy import Policy
+    from kerasmp.policy.policy import policy_scope
 
     highest = policy == "float32_highest"
     name = "float32" if highest else policy

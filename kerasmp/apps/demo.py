@@ -42,8 +42,8 @@ import warnings
 import keras
 import numpy as np
 
-from kerasmp._devices import main_device
-from kerasmp._table import render_table
+from kerasmp._utils.devices import main_device
+from kerasmp._utils.table import render_table
 from kerasmp.apps.zoo import digits_cnn
 
 POLICIES = ("mixed_float16", "mixed_bfloat16")
@@ -168,11 +168,11 @@ def _train(name, policy, data, epochs, seed, batch_size, out, verbose):
         `(model, run, history, nonfinite_monitor)`: `run` is the run's dict
         in the summary; the monitor is None for the float32 run.
     """
-    from kerasmp.callbacks import LossScaleMonitor
-    from kerasmp.callbacks import NonFiniteMonitor
-    from kerasmp.optimizer import LossScaleOptimizer
-    from kerasmp.performance import PerformanceMonitor
-    from kerasmp.policy import policy_scope
+    from kerasmp.callbacks.monitors import LossScaleMonitor
+    from kerasmp.callbacks.monitors import NonFiniteMonitor
+    from kerasmp.callbacks.performance import PerformanceMonitor
+    from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
+    from kerasmp.policy.policy import policy_scope
 
     (x, y), (x_test, y_test) = data
     steps_per_epoch = math.ceil(len(x) / batch_size)
@@ -285,7 +285,7 @@ PARITY_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
 
 def _export(model, out, dtype, x_test, y_test):
     """Exports `model` in half precision; returns a list of dicts."""
-    from kerasmp.export import export
+    from kerasmp.export.api import export
 
     short = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
     targets = [("keras", os.path.join(out, f"model_{short}.keras"))]
@@ -373,7 +373,7 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     ```
     """
     from kerasmp.data import load_digits
-    from kerasmp.policy import Policy
+    from kerasmp.policy.policy import Policy
 
     _check_args(policy, epochs, seed, quick, batch_size)
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):

@@ -1,0 +1,229 @@
+"""Every change kerasmp makes to Keras, installed once when Keras is imported.
+
+`install()` puts them in place (`kerasmp/__init__.py` calls it, through
+this module's import, as soon as Keras is imported) and `uninstall()`
+takes them out; `kerasmp.install()` and `kerasmp.uninstall()` are these.
+Each acts only on layers a `kerasmp.Policy` governs or on models it
+compiles, and takes every Keras class, module and private name it patches
+from `kerasmp._keras_internals`:
+
+1. Resolution. `keras.layers.Layer._dtype_policy` becomes a data descriptor:
+   Keras keeps writing the layer's policy to it (stored in the instance
+   `__dict__`); reading it returns `policy.policy_for(layer)` when the
+   stored policy is a `kerasmp.Policy`, the stored policy otherwise. Every
+   Keras read of a compute or variable dtype goes through it, so one rule
+   covers `dtype=None` layers, layers handed a parent's policy (the
+   `Softmax` inside `MultiHeadAttention`) and attributes set after
+   `Layer.__init__`.
+2. Hand-back. `Layer.__call__`: a layer a kerasmp rule keeps in float32,
+   called inside another layer or model, hands its floating outputs back in
+   the governing policy's compute dtype (`kerasmp.policy.hand_back`); the
+   outputs of the outermost call stay the float32 values computed.
+3. Saving and loading. `dtype_policies.serialize` / `deserialize` and
+   `Operation.from_config` go through `kerasmp.policy.saving`.
+4. Compile. `Trainer.compile` decides loss scaling: when a model has layers
+   governed by a `kerasmp.Policy` and any trainable layer computes in
+   float16, a plain optimizer is wrapped once in
+   `kerasmp.LossScaleOptimizer` (an optimizer that already is a
+   `keras.optimizers.LossScaleOptimizer` is kept); bfloat16 and float32
+   models get no loss scaling, and `compile(..., auto_scale_loss=False)`
+   turns it off as in stock Keras. Then, for every model,
+   `kerasmp.train_step` installs kerasmp's train step, and for a governed
+   model under a multi-worker strategy every worker checks that all have
+   the same precision settings.
+"""
+
+import functools
+import inspect
+import threading
+
+import keras
+
+from kerasmp import _keras_internals as _ki
+from kerasmp.float8 import rule as _float8
+from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
+from kerasmp.policy import saving as _saving
+from kerasmp.policy import stock as _stock_policy
+from kerasmp.policy.plan import governed_layers
+from kerasmp.policy.plan import needs_loss_scaling
+from kerasmp.policy.policy import Policy
+from kerasmp.policy.policy import hand_back
+from kerasmp.policy.policy import handoff_dtype
+from kerasmp.policy.workers import check_workers_agree
+from kerasmp.train_step import steps as _train_step
+
+_originals = {}  # what install() replaced, for uninstall()
+
+# ------------------------------------------------------------ 1. resolution
+
+
+class _ResolvedDTypePolicy:
+    """Data descriptor installed on `keras.layers.Layer` under
+    `_keras_internals.DTYPE_POLICY_ATTR`."""
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        try:
+            stored = layer.__dict__[_ki.DTYPE_POLICY_ATTR]
+        except KeyError:
+            raise AttributeError(_ki.DTYPE_POLICY_ATTR) from None
+        if isinstance(stored, Policy):
+            return stored.policy_for(layer)
+        return stored
+
+    def __set__(self, layer, value):
+        layer.__dict__[_ki.DTYPE_POLICY_ATTR] = value
+
+# ------------------------------------------------------------- 2. hand-back
+
+_calls = threading.local()  # depth of nested Layer.__call__, float32 outputs
+
+
+def _restore_float32(outputs, originals):
+    def restore(y):
+        entry = originals.get(id(y))
+        return entry[1] if entry is not None and entry[0] is y else y
+
+    return keras.tree.map_structure(restore, outputs)
+
+
+def _layer_call(self, *args, **kwargs):
+    depth = getattr(_calls, "depth", 0)
+    if depth == 0:
+        _calls.originals = {}
+    _calls.depth = depth + 1
+    try:
+        outputs = _originals["__call__"](self, *args, **kwargs)
+    finally:
+        _calls.depth = depth
+    originals = _calls.originals
+    if depth > 0:
+        target = handoff_dtype(self)
+        if target is not None:
+            outputs = hand_back(outputs, target, originals)
+    elif originals:
+        outputs = _restore_float32(outputs, originals)
+        _calls.originals = {}
+    return outputs
+
+
+
+
+# ------------------------------------------------------- 3. saving, loading
+
+
+def _serialize(policy):
+    return _saving.serialize(policy, _originals["serialize"])
+
+
+def _deserialize(config, custom_objects=None):
+    return _saving.deserialize(config, _originals["deserialize"],
+                               custom_objects=custom_objects)
+
+
+def _from_config(cls, config):
+    return _saving.construct(cls, config, _originals["from_config"],
+                             _originals["deserialize"])
+
+
+# ---------------------------------------------------------------- 4. compile
+
+
+def _compile(self, *args, **kwargs):
+    original = _originals["compile"]
+    _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
+    if not governed_layers(self):
+        result = original(self, *args, **kwargs)
+        _train_step.install(self)
+        return result
+    _float8.assign_layers(self)  # float8 policies: the rule's layers
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = bound.arguments
+    if arguments["auto_scale_loss"] and (
+        needs_loss_scaling(self) or _float8.needs_loss_scaling(self)
+    ):
+        optimizer = keras.optimizers.get(arguments["optimizer"])
+        if optimizer is not None and not isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            optimizer = LossScaleOptimizer(
+                optimizer, name="loss_scale_optimizer"
+            )
+        arguments["optimizer"] = optimizer
+    # kerasmp has decided; keep stock Keras's name-based rule out of it.
+    arguments["auto_scale_loss"] = False
+    result = original(*bound.args, **bound.kwargs)
+    _train_step.install(self)
+    # Every worker of a multi-worker job compiles: check there that they
+    # all train with the same precision settings (a no-op in one process).
+    check_workers_agree(self)
+    return result
+
+
+def install():
+    """Installs kerasmp's patches into Keras (idempotent).
+
+    Importing kerasmp installs them when Keras is imported, so user code
+    never needs to. They act only on models and layers that a
+    `kerasmp.Policy` governs or that are compiled with
+    `kerasmp.LossScaleOptimizer`.
+    """
+    if _originals:
+        return
+    trainer = _ki.trainer_class()
+    operation = _ki.operation_class()
+    modules = _ki.dtype_policy_modules()
+    _originals.update(
+        __call__=keras.layers.Layer.__call__,
+        from_config=operation.from_config.__func__,
+        serialize=modules[0].serialize,
+        deserialize=modules[0].deserialize,
+        compile=trainer.compile,
+    )
+    _ki.install_dtype_policy_descriptor(_ResolvedDTypePolicy())
+    keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
+        _layer_call
+    )
+    operation.from_config = classmethod(
+        functools.wraps(_originals["from_config"])(_from_config)
+    )
+    for module in modules:
+        module.serialize = _serialize
+        module.deserialize = _deserialize
+    trainer.compile = functools.wraps(_originals["compile"])(_compile)
+
+
+def uninstall():
+    """Removes kerasmp's patches: Keras behaves exactly as without kerasmp.
+
+    Layers built under a `kerasmp.Policy` keep it, but then compute in its
+    dtype without float32 overrides. `kerasmp.install()` puts the patches
+    back.
+
+    Example:
+
+    >>> kerasmp.uninstall()
+    >>> keras.layers.Softmax(dtype="mixed_float16").compute_dtype
+    'float16'
+    >>> kerasmp.install()
+    """
+    if not _originals:
+        return
+    _ki.remove_dtype_policy_descriptor()
+    keras.layers.Layer.__call__ = _originals["__call__"]
+    _ki.operation_class().from_config = classmethod(_originals["from_config"])
+    for module in _ki.dtype_policy_modules():
+        module.serialize = _originals["serialize"]
+        module.deserialize = _originals["deserialize"]
+    _ki.trainer_class().compile = _originals["compile"]
+    _originals.clear()
+
+
+def is_installed():
+    """Whether the patches are in place."""
+    return bool(_originals)
+
+
+install()

@@ -1,0 +1,24 @@
+"""Finding precision problems: the first non-finite layer of a batch
+(`find_nonfinite`, in `nonfinite`), which loss scale a model needs
+(`gradient_report`, in `gradients`) and precision hazards before training
+(`kerasmp.check`, in `hazards`)."""
+
+from kerasmp.debug.gradients import GradientReport
+from kerasmp.debug.gradients import gradient_report
+from kerasmp.debug.gradients import plot_gradient_report
+from kerasmp.debug.nonfinite import LayerRow
+from kerasmp.debug.nonfinite import NonFiniteReport
+from kerasmp.debug.nonfinite import find_nonfinite
+from kerasmp.debug.nonfinite import layer_paths
+from kerasmp.debug.nonfinite import record_calls
+
+__all__ = [
+    "GradientReport",
+    "LayerRow",
+    "NonFiniteReport",
+    "find_nonfinite",
+    "gradient_report",
+    "layer_paths",
+    "plot_gradient_report",
+    "record_calls",
+]

@@ -1,0 +1,134 @@
+"""The loss and gradients of one batch, outside `fit`, on TF and JAX.
+
+Shared by `kerasmp.debug.find_nonfinite` and `kerasmp.debug.gradients`: both
+compute the (scaled) loss and gradients of a batch the way the backend's
+trainer does, then put the variables back as they were.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from kerasmp import _keras_internals as _ki
+
+
+def fmt(value):
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:.3g}"
+
+
+def snapshot(variables):
+    return [(v, ops.convert_to_numpy(v.value)) for v in variables]
+
+
+def restore(snapshot):
+    for v, value in snapshot:
+        v.assign(value)
+
+
+def call_kwargs(model, training):
+    return {"training": training} if _ki.call_has_training_arg(model) else {}
+
+
+def user_loss(loss):
+    """A function (y, y_pred, sample_weight) -> scalar float32 loss."""
+    loss = keras.losses.get(loss)
+
+    def compute(y, y_pred, sample_weight):
+        if isinstance(loss, keras.losses.Loss):
+            value = loss(y, y_pred, sample_weight=sample_weight)
+        else:
+            value = loss(y, y_pred)
+        return ops.mean(ops.cast(value, "float32"))
+
+    return compute
+
+
+def check_loss(model, loss):
+    if loss is None and not _ki.has_compiled_loss(model):
+        raise ValueError(
+            "find_nonfinite: to check gradients (`y` given), compile the "
+            "model with a loss or pass `loss=`; received loss=None and a "
+            "model without a compiled loss."
+        )
+
+
+def gradients_tf(model, x, y, sample_weight, loss, scale, training):
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        y_pred = model(x, **call_kwargs(model, training))
+        if loss is None:
+            value = model.compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=training,
+            )
+        else:
+            value = user_loss(loss)(y, y_pred, sample_weight)
+        value = ops.cast(value, "float32")
+        scaled = value * scale
+    return value, tape.gradient(scaled, variables)
+
+
+def gradients_jax(model, x, y, sample_weight, loss, scale, training):
+    import jax
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    metrics = [v.value for v in model.metrics_variables]
+    kwargs = call_kwargs(model, training)
+
+    def scaled_loss(trainable):
+        # Mirrors JAXTrainer.compute_loss_and_updates, without the optimizer.
+        y_pred, new_non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
+        if loss is not None:
+            value = user_loss(loss)(y, y_pred, sample_weight)
+        else:
+            if losses:
+                _ki.set_losses_override(model, losses)
+            try:
+                value, _ = model.stateless_compute_loss(
+                    trainable,
+                    new_non_trainable,
+                    metrics,
+                    x=x,
+                    y=y,
+                    y_pred=y_pred,
+                    sample_weight=sample_weight,
+                    training=training,
+                )
+            finally:
+                if losses:
+                    _ki.clear_losses_override(model)
+        value = ops.cast(value, "float32")
+        return value * scale, value
+
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+    (_, value), grads = grad_fn(trainable)
+    return value, grads
+
+
+def gradients(model, x, y, sample_weight, loss, scale, training):
+    check_loss(model, loss)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        fn = gradients_tf
+    elif backend == "jax":
+        fn = gradients_jax
+    else:
+        raise NotImplementedError(
+            f"find_nonfinite checks gradients on the TensorFlow and JAX "
+            f"backends only (current: {backend!r}); call it without `y`."
+        )
+    value, grads = fn(model, x, y, sample_weight, loss, scale, training)
+    return float(ops.convert_to_numpy(value)), grads

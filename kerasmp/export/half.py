@@ -1,0 +1,501 @@
+"""Half-precision copies of a Keras model that never rebuild it.
+
+The engine behind `kerasmp.export.to_float16`. Rebuilding a model from its
+config to change its dtypes fails for models whose get_config()/from_config()
+do not reproduce them (some keras-hub backbones) and cannot pair the layers of
+models that create them in another order than they call them. So nothing is
+rebuilt: a `HalfModel` holds half-precision copies of the original model's
+variables (float32 where a layer is kept) and, when called, runs the original
+model's own `call` with
+
+- every original variable read replaced by its copy (`keras.StatelessScope`:
+  the originals are neither read nor changed), and
+- every layer's dtype policy temporarily set to a plain
+  `keras.DTypePolicy`: `mixed_<dtype>` (float16 compute) or `float32` for the
+  kept layers, restored on exit.
+
+The original model is held but not tracked, so saving or exporting the
+`HalfModel` stores only its half-precision variables. Layers are matched to
+their variables by object identity on the original model, and by position
+within the same class's own construction order when a `.keras` file is
+loaded (the same code builds them in the same order).
+
+Length: `HalfModel` (its call, config round trip and reports), the plan of
+which variables and layers stay float32 and why, and the argument checks of
+`to_float16`: one mechanism, kept together.
+"""
+
+import functools
+import re
+import warnings
+
+import keras
+import numpy as np
+
+from kerasmp import _keras_internals as _ki
+from kerasmp._utils.layers import walk
+from kerasmp.policy import policy as _policy
+
+DTYPES = ("float16", "bfloat16")
+FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
+
+
+def numpy_value(x):
+    """A numpy copy of a Keras variable or backend tensor."""
+    x = getattr(x, "value", x)  # a Keras variable -> its backend value
+    if hasattr(x, "numpy"):
+        return np.asarray(x.numpy())  # TensorFlow
+    return np.asarray(x)
+
+
+def is_float(dtype):
+    return "float" in str(dtype)
+
+
+def is_container(layer):
+    return isinstance(layer, (keras.Model, keras.layers.InputLayer))
+
+
+def _plain(policy):
+    """A plain `keras.DTypePolicy` with the same name as `policy`."""
+    return keras.DTypePolicy(policy.name)
+
+
+def is_graph_model(model):
+    return isinstance(model, (keras.Sequential, _ki.functional_class()))
+
+
+# --------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------
+
+
+def check_dtype(dtype, allowed, argname="dtype"):
+    if not isinstance(dtype, str) or dtype not in allowed:
+        raise ValueError(
+            f"Invalid `{argname}`: {dtype!r}. Allowed values: "
+            f"{', '.join(repr(d) for d in allowed)}."
+        )
+
+
+def check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model (Sequential, Functional or a "
+            f"subclass). Received: {model!r} (of type "
+            f"{type(model).__name__})"
+        )
+    if not model.built or not model.weights:
+        raise ValueError(
+            f"`model` ({model.name!r}) is not built: its weights do not "
+            "exist yet, so there is nothing to export. Call it on a batch of "
+            "data or call `model.build(input_shape)` first."
+        )
+
+
+def keep_rules(model, keep_float32):
+    """The float32 rules (layer classes and name regexes) to apply."""
+    if keep_float32 is None:
+        for layer in [model] + [l for _, l in walk(model)]:
+            stored = _policy.stored_policy(layer)
+            if isinstance(stored, _policy.Policy):
+                return tuple(stored.float32_layers)
+        return tuple(_policy.DEFAULT_FLOAT32_LAYERS)
+    if isinstance(keep_float32, (str, type, re.Pattern)):
+        keep_float32 = [keep_float32]
+    try:
+        entries = list(keep_float32)
+    except TypeError:
+        raise TypeError(
+            "`keep_float32` must be None or a sequence of keras.layers.Layer "
+            "subclasses and/or regular expressions matched against layer "
+            f"names. Received: {keep_float32!r}"
+        ) from None
+    return tuple(
+        _policy.parse_rule(entry, argname="keep_float32") for entry in entries
+    )
+
+
+# --------------------------------------------------------------------------
+# to_float16
+# --------------------------------------------------------------------------
+
+
+def _out_of_range(layer):
+    """Returns `(weight name, max |value|)` of the first weight of `layer`
+    that float16 cannot hold, or None."""
+    for v in _ki.own_variables(layer):
+        if not is_float(v.dtype):
+            continue
+        values = numpy_value(v)
+        if values.size == 0:
+            continue
+        peak = float(np.max(np.abs(values.astype(np.float64))))
+        if np.isfinite(peak) and peak > FLOAT16_MAX:
+            return v.name, peak
+    return None
+
+
+def decide(model, dtype, rules):
+    """Decides which layers of `model` stay float32.
+
+    Returns:
+        `(kept, out_of_range)`: `{id(layer): reason}` for every kept layer,
+        and the set of `id(layer)` kept because of a weight beyond float16.
+    """
+    if dtype == "float32":
+        return {}, set()
+    rule_policy = _policy.Policy(dtype, float32_layers=rules)
+    kept, out_of_range = {}, set()
+    ancestors = {}
+    layers = list(walk(model))
+    mixed = any(_half_policy(layer) for _, layer in layers)
+    for path, layer in layers:
+        parent = path.rsplit("/", 1)[0] if "/" in path else None
+        reason = None
+        if parent is not None and parent in ancestors:
+            reason = f"inside {parent}"
+        if dtype == "float16":
+            bad = _out_of_range(layer)
+            if bad is not None:
+                name, peak = bad
+                warnings.warn(
+                    f"kerasmp.export: layer {path!r} "
+                    f"({type(layer).__name__}) has weight {name!r} with "
+                    f"|value| up to {peak:.4g}, beyond the float16 maximum "
+                    f"{FLOAT16_MAX:g}; keeping this layer in float32 (in "
+                    "float16 the value would be inf).",
+                    stacklevel=3,
+                )
+                reason = reason or f"weight {name!r} |x|={peak:.3g} > 65504"
+                out_of_range.add(id(layer))
+        if reason is None and not is_container(layer):
+            rule = rule_policy.float32_rule(layer)
+            if rule is not None:
+                reason = rule
+            elif mixed and _pinned_float32(layer):
+                # The mixed-precision guide's float32 output layer, or any
+                # layer the user pinned: it stays as the user built it.
+                reason = "dtype='float32' in the model"
+        if reason is not None and not isinstance(
+            layer, keras.layers.InputLayer
+        ):
+            kept[id(layer)] = reason
+            ancestors[path] = reason
+    return kept, out_of_range
+
+
+
+def _half_policy(layer):
+    """Whether `layer` computes in float16 or bfloat16 (the model is a
+    mixed-precision one)."""
+    if isinstance(layer, keras.layers.InputLayer):
+        return False
+    return keras.backend.standardize_dtype(layer.compute_dtype) in (
+        "float16", "bfloat16")
+
+
+def _pinned_float32(layer):
+    """Whether `layer` was built with a plain float32 policy of its own
+    (`dtype="float32"`), not one a kerasmp `Policy` gave it."""
+    stored = _policy.stored_policy(layer)
+    return type(stored) is keras.DTypePolicy and stored.name == "float32"
+
+
+def unique_variables(model):
+    """`model.variables`, each once (tied weights appear twice)."""
+    seen, out = set(), []
+    for v in model.variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+def _policy_name(layer):
+    """The dtype policy name a layer has now, or None if not a float one."""
+    policy = _policy.stored_policy(layer)
+    if policy is None or getattr(policy, "quantization_mode", None):
+        return None
+    if isinstance(layer, keras.layers.InputLayer):
+        return None
+    return policy.name if is_float(layer.compute_dtype) else None
+
+
+def plan(model, dtype, keep_float32=None):
+    """Decides the dtypes of a half-precision copy of `model`.
+
+    Returns:
+        A dict with `variable_dtypes` (one per `unique_variables(model)`),
+        `layer_policies` (one per `[model] + walk(model)` layer: a plain
+        policy name, or None to leave the layer alone) and `kept_float32`
+        (`{path: reason}` of the non-container layers computing in float32).
+    """
+    check_model(model)
+    rules = keep_rules(model, keep_float32)
+    kept, _ = decide(model, dtype, rules)
+    layers = [("", model)] + list(walk(model))
+    owner = {}
+    for _, layer in layers:
+        for v in _ki.own_variables(layer):
+            owner.setdefault(id(v), layer)
+    half = f"mixed_{dtype}" if dtype != "float32" else "float32"
+    layer_policies = []
+    for _, layer in layers:
+        if _policy_name(layer) is None:
+            layer_policies.append(None)
+        else:
+            layer_policies.append("float32" if id(layer) in kept else half)
+    variable_dtypes = []
+    for v in unique_variables(model):
+        layer = owner.get(id(v))
+        if not is_float(v.dtype):
+            variable_dtypes.append(str(v.dtype))
+        elif dtype == "float32" or (layer is not None and id(layer) in kept):
+            variable_dtypes.append("float32")
+        elif dtype == "float16" and _beyond_float16(v):
+            variable_dtypes.append("float32")
+        else:
+            variable_dtypes.append(dtype)
+    kept_float32 = {
+        path: kept[id(layer)]
+        for path, layer in layers[1:]
+        if id(layer) in kept and not is_container(layer)
+    }
+    return {
+        "variable_dtypes": variable_dtypes,
+        "layer_policies": layer_policies,
+        "kept_float32": kept_float32,
+    }
+
+
+def _beyond_float16(v):
+    values = numpy_value(v)
+    if not values.size:
+        return False
+    peak = float(np.max(np.abs(values.astype(np.float64))))
+    return bool(np.isfinite(peak) and peak > FLOAT16_MAX)
+
+
+class _Hidden:
+    """Holds what a HalfModel must not track or save."""
+
+    __slots__ = ("source", "layers", "pairs")
+
+    def __init__(self, source, layers):
+        self.source = source
+        self.layers = layers
+        self.pairs = []
+
+
+@keras.saving.register_keras_serializable(package="kerasmp")
+class HalfModel(keras.Model):
+    """A half-precision copy of a model that runs the original's code.
+
+    Made by `kerasmp.export.to_float16`; see the module docstring for how it
+    works. Its variables are the half-precision copies (float32 for kept
+    layers), so `model.weights`, saving and exporting see only those; the
+    original model is `source_model()` and is never modified.
+
+    Args:
+        source: The original, built `keras.Model`.
+        variable_dtypes: One dtype per variable of `source` (in
+            `unique_variables` order).
+        layer_policies: One plain policy name (or None) per layer of
+            `[source] + walk(source)`.
+        kept_float32: `{layer path: reason}` for the report.
+        float16_inputs: Whether the model's float inputs are declared half
+            precision (its serving signature takes them so).
+        values: Optional initial values, one per variable (numpy arrays).
+    """
+
+    def __init__(self, source, variable_dtypes, layer_policies,
+                 kept_float32=None, float16_inputs=False, values=None,
+                 **kwargs):
+        kwargs.setdefault("name", source.name)
+        kwargs["dtype"] = "float32"
+        super().__init__(**kwargs)
+        sources = unique_variables(source)
+        layers = [source] + [l for _, l in walk(source)]
+        if len(sources) != len(variable_dtypes) or len(layers) != len(
+            layer_policies
+        ):
+            raise ValueError(
+                f"HalfModel: model {source.name!r} has {len(sources)} "
+                f"variables and {len(layers)} layers, but the saved copy "
+                f"describes {len(variable_dtypes)} and {len(layer_policies)}"
+                ": its get_config()/from_config() do not rebuild the same "
+                "model. Export it to 'savedmodel', 'tflite' or 'onnx' "
+                "instead."
+            )
+        # Hidden on purpose in a plain object: Keras tracking and `.keras`
+        # saving (which walks attributes, lists and properties) must not
+        # store its float32 variables, only the copies below.
+        object.__setattr__(self, "_hidden", _Hidden(source, layers))
+        self.variable_dtypes = list(variable_dtypes)
+        self.layer_policies = list(layer_policies)
+        self.kept_float32 = dict(kept_float32 or {})
+        self.float16_inputs = bool(float16_inputs)
+        copies = []
+        for i, (v, dt) in enumerate(zip(sources, variable_dtypes)):
+            copies.append(self.add_weight(
+                shape=tuple(v.shape), dtype=dt, initializer="zeros",
+                trainable=False, name=v.name,
+            ))
+        self._hidden.pairs = list(zip(sources, copies))
+        if values is not None:
+            for (_, c), value in zip(self._hidden.pairs, values):
+                c.assign(np.asarray(value).astype(c.dtype))
+        self.built = True
+
+    def source_model(self):
+        """The original model (not tracked, never modified).
+
+        A method, not an attribute: `.keras` saving stores what attributes
+        and properties hold.
+        """
+        return self._hidden.source
+
+    def variable_dtype_map(self):
+        """`{"layer path/variable name": dtype of its copy}`.
+
+        The layer path is as in `layer_compute_dtypes` (`"mha/query"`).
+        """
+        names = {}
+        for path, layer in walk(self._hidden.source):
+            for v in _ki.own_variables(layer):
+                names.setdefault(id(v), f"{path}/{v.name}")
+        return {
+            names.get(id(s), s.path): str(c.dtype)
+            for s, c in self._hidden.pairs
+        }
+
+    def layer_compute_dtypes(self):
+        """`{layer path: compute dtype}` of the layers, as it runs them."""
+        paths = [""] + [p for p, _ in walk(self._hidden.source)]
+        out = {}
+        for path, layer, name in zip(
+            paths, self._hidden.layers, self.layer_policies
+        ):
+            if path and not is_container(layer):
+                out[path] = (keras.DTypePolicy(name).compute_dtype
+                             if name else layer.compute_dtype)
+        return out
+
+    def call(self, inputs, training=False):
+        mapping = [
+            (s, keras.ops.cast(c.value, s.dtype)) for s, c in self._hidden.pairs
+        ]
+        saved, patched = [], []
+        try:
+            for layer, name in zip(self._hidden.layers, self.layer_policies):
+                if name is None:
+                    continue
+                saved.append((layer, _policy.stored_policy(layer)))
+                _ki.store_dtype_policy(layer, keras.DTypePolicy(name))
+            for layer, dtype in self._handback():
+                patched.append((layer, layer.__dict__.get("call")))
+                object.__setattr__(layer, "call", _handing_back(layer, dtype))
+            with keras.StatelessScope(state_mapping=mapping):
+                outputs = self._hidden.source(inputs, training=training)
+        finally:
+            for layer, call in reversed(patched):
+                if call is None:
+                    layer.__dict__.pop("call", None)
+                else:
+                    object.__setattr__(layer, "call", call)
+            for layer, policy in reversed(saved):
+                _ki.store_dtype_policy(layer, policy)
+        if self.float16_inputs:
+            return outputs
+        return keras.tree.map_structure(_to_float32, outputs)
+
+    def _handback(self):
+        """`(layer, dtype)`: the float32 layers whose float32 outputs go
+        back to a half-precision parent, cast to its compute dtype.
+
+        A layer kept in float32 inside a half-precision layer hands its
+        output back in the parent's dtype, which the parent's own code
+        (`x + residual` on backend tensors) expects. Top-level layers of a
+        Functional or Sequential model need no cast: Keras casts each
+        layer's inputs itself, and op nodes promote.
+        """
+        paths = [""] + [p for p, _ in walk(self._hidden.source)]
+        index = {p: i for i, p in enumerate(paths)}
+        graph = is_graph_model(self._hidden.source)
+        out = []
+        for path, layer, name in zip(
+            paths, self._hidden.layers, self.layer_policies
+        ):
+            if not path or name != "float32":
+                continue
+            parent = path.rsplit("/", 1)[0] if "/" in path else ""
+            if not parent and graph:
+                continue
+            p_layer = self._hidden.layers[index[parent]]
+            p_name = self.layer_policies[index[parent]]
+            dtype = (keras.DTypePolicy(p_name).compute_dtype if p_name
+                     else p_layer.compute_dtype)
+            if dtype != "float32" and is_float(dtype):
+                out.append((layer, dtype))
+        return out
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "source": keras.saving.serialize_keras_object(
+                self._hidden.source
+            ),
+            "variable_dtypes": list(self.variable_dtypes),
+            "layer_policies": list(self.layer_policies),
+            "kept_float32": dict(self.kept_float32),
+            "float16_inputs": self.float16_inputs,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        source = keras.saving.deserialize_keras_object(config.pop("source"))
+        if not source.built:
+            raise ValueError(
+                f"HalfModel: the saved model {source.name!r} could not be "
+                "built again from its config (no build config)."
+            )
+        return cls(source, **config)
+
+
+def _dtype_of(x):
+    if not hasattr(x, "dtype"):
+        return None
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def _to_float32(x):
+    dtype = _dtype_of(x)
+    if dtype is not None and is_float(dtype) and dtype != "float32":
+        return keras.ops.cast(x, "float32")
+    return x
+
+
+def _handing_back(layer, dtype):
+    """`layer.call` with its float32 outputs handed back in `dtype`
+    (`kerasmp.policy.hand_back`, the cast kerasmp's policy applies)."""
+    call = type(layer).call.__get__(layer)
+
+    @functools.wraps(call)
+    def wrapped(*args, **kwargs):
+        return _policy.hand_back(call(*args, **kwargs), dtype)
+
+    return wrapped
+
+
+def convert(model, dtype, keep_float32=None, float16_inputs=False):
+    """Returns `(HalfModel, {path: reason} of layers kept in float32)`."""
+    p = plan(model, dtype, keep_float32)
+    values = [numpy_value(v) for v in unique_variables(model)]
+    half = HalfModel(
+        model, p["variable_dtypes"], p["layer_policies"],
+        kept_float32=p["kept_float32"], float16_inputs=float16_inputs,
+        values=values,
+    )
+    return half, p["kept_float32"]

@@ -1,0 +1,206 @@
+"""TFLite conversion with builtin ops only (what the plain LiteRT
+interpreter runs), for `kerasmp.export(..., format="tflite")`.
+
+With unknown sequence lengths, the converter keeps some ops of keras-hub
+transformer decoders as TensorFlow ops (Flex ops): a `x[:, None, :, :]`
+(a `StridedSlice` with `new_axis_mask`) in Mistral's and Gemma's attention
+masks, int64 `Abs`/`Sign` in DeBERTa-v3's relative position buckets. With
+the lengths known, the first become reshapes and the second, which depend
+only on the length, are constant-folded. So `convert` first converts with
+the model's own input shapes; if that fails and an input has an unknown
+dimension after the batch, it converts again with those dimensions fixed
+to the parity inputs' (the batch stays dynamic), with a warning giving the
+shapes the file then takes. From JAX (jax2tf's StableHLO) the converter
+can also mis-lower a dynamic batch, so there each conversion is checked
+against the model on a few inputs (`verify`) and the last resort fixes the
+batch to 1. Where Flex ops remain, it raises `NeedsFlexOps`, naming each op
+and the layer it comes from.
+"""
+
+import re
+import warnings
+
+from kerasmp._utils.layers import walk
+
+_FLEX = "TF Select ops:"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A converter location: `fused["StridedSlice:", callsite("a/b/op@fn"`.
+_LOCATION = re.compile(r'fused\["(\w+):",\s*(?:callsite\()?"([^"@]+)@')
+
+
+class NeedsFlexOps(ValueError):
+    """The model needs TensorFlow (Flex) ops that builtin TFLite lacks."""
+
+
+def needs_flex(error):
+    """Whether a converter error says that Flex ops are needed."""
+    text = str(error)
+    return _FLEX in text or "neither a custom op nor a flex op" in text
+
+
+def flex_ops(error):
+    """`[(op type, TensorFlow op name)]` named by a converter error, in
+    order, each op type once (its first location).
+
+    Read from the error's structured `errors` (`ConverterErrorData`:
+    `operator.name` such as `"tf.StridedSlice"`, `location.call[].name`
+    such as `"m_1/block_1/attn_1/strided_slice@__inference_serve_7"`), else
+    from its text.
+    """
+    found = {}
+    for data in getattr(error, "errors", None) or []:
+        op = getattr(getattr(data, "operator", None), "name", "") or ""
+        op = op[3:] if op.startswith("tf.") else op
+        if not op or op in found:
+            continue
+        calls = getattr(getattr(data, "location", None), "call", []) or []
+        names = [c.name.split("@")[0] for c in calls
+                 if getattr(c, "name", "")]
+        found[op] = names[0] if names else ""
+    if found:
+        return list(found.items())
+    text = str(error)
+    listed = []
+    m = re.search(re.escape(_FLEX) + r"\s*([^\n]+)", text)
+    if m:
+        listed = [t.strip() for t in m.group(1).split(",") if t.strip()]
+    for op, name in _LOCATION.findall(text):
+        found.setdefault(op, name)
+    return [(op, found.get(op, "")) for op in listed or list(found)]
+
+
+def layer_of(op_name, model):
+    """The path of the deepest layer of `model` whose name scope holds the
+    TensorFlow op `op_name` (`"m_1/m_1/block_0_1/attn_1/strided_slice"`:
+    TensorFlow appends `_1` to reopened scopes), or None."""
+    scope = op_name.split("/")[:-1]
+    best = None
+    for path, _ in walk(model):
+        parts = path.split("/")
+        pattern = "/".join(re.escape(p) + r"(?:_\d+)?" for p in parts)
+        if re.search(rf"(?:^|/){pattern}$", "/".join(scope)) or re.search(
+                rf"(?:^|/){pattern}/", "/".join(scope) + "/"):
+            if best is None or len(parts) > len(best.split("/")):
+                best = path
+    return best
+
+
+def named_ops(error, model):
+    """`"StridedSlice in layer 'block/attn'; ..."` for a converter error."""
+    parts = []
+    for op, name in flex_ops(error):
+        layer = layer_of(name, model) if name else None
+        where = (f"in layer {layer!r}" if layer
+                 else f"at {name!r}" if name else "")
+        parts.append(f"{op} {where}".strip())
+    return "; ".join(parts) or "unknown ops"
+
+
+def describe(error, model, format_hint):
+    """One sentence naming each Flex op and its layer."""
+    ops = named_ops(error, model)
+    return (f"format='tflite' cannot write {model.name!r} with builtin "
+            f"TFLite ops only: {ops} would need Flex ops, which the plain "
+            f"LiteRT interpreter cannot run; {format_hint}")
+
+
+def static_specs(specs, example):
+    """`specs` with each unknown dimension after the batch fixed to the
+    matching dimension of `example` (the parity inputs), or None when no
+    dimension is unknown or `example` is missing."""
+    if example is None:
+        return None
+    out, changed = [], False
+    for (name, shape, dtype), a in zip(specs, example):
+        fixed = tuple(a.shape[i] if d is None and i > 0 else d
+                      for i, d in enumerate(shape))
+        changed |= fixed != tuple(shape)
+        out.append((name, fixed, dtype))
+    return out if changed else None
+
+
+def convert(make_converter, model, specs, example, format_hint,
+            verify=None, fix_batch=False):
+    """The flatbuffer of `make_converter(specs).convert()` with builtin
+    ops only; see the module docstring.
+
+    Args:
+        make_converter: `(specs) -> tf.lite.TFLiteConverter`, configured.
+        model: The model (for names in messages).
+        specs: `[(name, batch shape, dtype)]` of its inputs.
+        example: The parity inputs (numpy arrays, one per spec) or None.
+        format_hint: What to export to instead (end of the error message).
+        verify: Optional `(flatbuffer, specs) -> None or a reason`: a
+            conversion that runs but computes something else (the JAX
+            route's dynamic batch) is then tried the next way.
+        fix_batch: Whether the last resort fixes the batch to 1 as well.
+
+    Raises:
+        NeedsFlexOps: naming each op and its layer.
+    """
+    fixed = static_specs(specs, example)
+    tries = [specs] + ([fixed] if fixed else [])
+    if fix_batch and example is not None:
+        tries.append([(n, (1,) + tuple(s[1:]), d)
+                      for n, s, d in (fixed or specs)])
+    first = previous = None
+    for i, attempt in enumerate(tries):
+        try:
+            flat = make_converter(attempt).convert()
+        except Exception as e:  # the converter's ConverterError, a trace
+            error = e
+        else:
+            wrong = verify(flat, attempt) if verify is not None else None
+            if wrong is None:
+                if i:
+                    _warn_fixed(model, attempt, previous)
+                return flat
+            error = ValueError(wrong)
+        first = first if first is not None else error
+        previous = error
+        if i == len(tries) - 1:
+            if needs_flex(error):
+                raise NeedsFlexOps(
+                    describe(error, model, format_hint)) from error
+            if error is first:
+                raise error
+            raise error from first
+
+
+def _warn_fixed(model, specs, error):
+    """Warns that the file takes `specs`' shapes, because of `error` (the
+    attempt before)."""
+    if needs_flex(error):
+        why = (f"TFLite needs Flex ops ({named_ops(error, model)}), which "
+               "the plain LiteRT interpreter cannot run")
+    else:  # jax2tf gives each unknown length its own symbol
+        why = f"the conversion fails ({summary(error)})"
+    shapes = ", ".join(f"{n}: {tuple(s)}" for n, s, _ in specs)
+    batch = ("the batch may vary" if specs[0][1][0] is None
+             else "one example per call")
+    warnings.warn(
+        f"kerasmp.export: the TFLite file of {model.name!r} takes inputs "
+        f"of fixed shape ({shapes}; {batch}): otherwise {why}. Pass "
+        "`sample=` inputs of the length you serve.", stacklevel=5)
+
+
+def summary(e):
+    """One line saying what failed: a converter error's first message
+    (`ConverterErrorData.error_message`), else the exception's text."""
+    for data in getattr(e, "errors", None) or []:
+        text = (getattr(data, "error_message", "") or "").strip()
+        if text:
+            text = _ANSI.sub("", text.splitlines()[0])[:200]
+            return f"{type(e).__name__}: {text}"
+    return _first_line(e)
+
+
+def _first_line(e):
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    text = lines[0] if lines else ""
+    for line in lines:  # Keras's layer-call wrapper: the cause is inside
+        if "incompatible" in line or "Error" in line:
+            text = line
+            break
+    text = _ANSI.sub("", text)[:160]
+    return f"{type(e).__name__}: {text}"

@@ -1,0 +1,512 @@
+"""Mixed-precision dtype policies with per-layer float32 overrides.
+
+`Policy` is a real `keras.DTypePolicy`: pass it wherever Keras takes a dtype
+policy. What it adds is a list of layers that must compute in float32 even
+when the policy computes in float16 or bfloat16: softmax and normalization
+layers by default, plus any layer class or layer-name pattern the user names.
+
+How the override reaches layers: a layer's policy is whatever Keras stored in
+`layer._dtype_policy` (the global policy when `dtype=None`, or the parent's
+policy for layers such as the `Softmax` inside `MultiHeadAttention`). When that
+stored policy is a `kerasmp.Policy`, the resolution patch (`kerasmp._patches`)
+resolves it against the layer each time Keras reads it
+(`Policy.policy_for(layer)`), so the rules also apply to nested layers and
+to attributes set after `super().__init__()` (an `Activation` layer's
+activation, say). Any other policy, including an explicit `dtype=` given by
+the user, is returned untouched and so wins. A float32 layer inside a model
+hands its outputs back in the policy's compute dtype (`hand_back`).
+"""
+
+import contextlib
+import re
+
+import keras
+
+from kerasmp import _keras_internals as _ki
+from kerasmp._utils.marked import Marked
+from kerasmp._utils.namematch import NameMatcher
+from kerasmp.float8 import rule as _float8
+from kerasmp.policy import norms as _norm_rule
+from kerasmp.policy.rules import SOFTMAX_ACTIVATIONS
+from kerasmp.policy.rules import activation_name
+from kerasmp.policy.rules import parse_rule
+from kerasmp.policy.rules import rule_from_config
+from kerasmp.policy.rules import rule_name
+from kerasmp.policy.rules import rule_sequence
+from kerasmp.policy.rules import rule_to_config
+
+_FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
+                "float32", "float64") + tuple(_float8.FLOAT8_NAMES)
+
+def _normalization_layers():
+    return _norm_rule.KERAS_NORMALIZATION_CLASSES
+
+
+NORMALIZATION_BY_NAME = _norm_rule.NORMALIZATION_BY_NAME
+"""The structural name rule for normalizations Keras does not define
+(`T5LayerNorm`, `MistralLayerNormalization`, a user's `RMSNorm`, ...): a
+layer whose class name ends in "Norm" or "Normalization" and that holds no
+compute-heavy sublayer or kernel (see docs/policies.md)."""
+
+KNOWN_FLOAT16_HAZARDS = _norm_rule.FLOAT16_HAZARDS
+"""Classes that compute NaN/inf in float16 only (keras-hub's
+`T5MultiHeadAttention` and its `-1e9` mask bias), kept in float32 under
+float16 policies; their Dense sublayers stay float16."""
+
+DEFAULT_FLOAT32_LAYERS = (
+    (keras.layers.Softmax,) + _normalization_layers()
+    + (NORMALIZATION_BY_NAME, KNOWN_FLOAT16_HAZARDS)
+)
+"""Layers a `Policy` computes in float32 unless told otherwise.
+
+Softmax, every Keras normalization layer, `NORMALIZATION_BY_NAME` (the
+normalizations of model libraries and users) and `KNOWN_FLOAT16_HAZARDS`.
+`keras.layers.Softmax` in the list also covers every layer whose `activation`
+is softmax or log_softmax (`Activation("softmax")`,
+`Dense(n, activation="softmax")`): their output is a softmax, and a float16
+softmax over more than ~65k classes overflows its denominator and returns
+zeros without any NaN to warn you.
+"""
+
+_KERAS_DEFAULT_CLASSES = (keras.layers.Softmax,) + _normalization_layers()
+
+
+@keras.saving.register_keras_serializable(package="kerasmp")
+class Float32Override(Marked, keras.DTypePolicy):
+    """The float32 policy a `Policy` gives the layers its rules match.
+
+    It computes and stores variables in float32 like
+    `keras.DTypePolicy("float32")`, and remembers which kerasmp policy and
+    rule put the layer there, so that a saved model reloads with the same
+    dtypes and `dtype_report` can say why.
+
+    Args:
+        policy: The `kerasmp.Policy` whose rule matched.
+        rule: The description of the rule, as `Policy.float32_rule` gives it.
+    """
+
+    WHY = "rule"
+
+    def __init__(self, policy, rule):
+        super().__init__("float32")
+        self.policy = policy
+        self.rule = rule
+
+
+@keras.saving.register_keras_serializable(package="kerasmp")
+class Policy(keras.DTypePolicy):
+    """A `keras.DTypePolicy` that keeps fragile layers in float32.
+
+    Layers governed by this policy compute in the policy's compute dtype,
+    except the layers matched by `float32_layers`, which compute in float32
+    with float32 variables. Inside a model such a layer hands its output on
+    in the policy's compute dtype, so it composes with the half-precision
+    tensors around it (a post-LN residual `x + norm(x)` works); the outputs
+    of the model itself (or of an overridden layer called on its own) are
+    the float32 values, so the probabilities that reach a loss are float32.
+    A layer is governed by the policy when it was built with `dtype=None`
+    while this policy was global, or was handed this policy by its parent
+    layer. A layer built with any other explicit
+    `dtype=` keeps that dtype.
+
+    Args:
+        name: The policy name, any name `keras.DTypePolicy` accepts for a
+            floating-point policy: `"mixed_float16"`, `"mixed_bfloat16"`,
+            `"float16"`, `"bfloat16"`, `"float32"` or `"float64"`.
+        float32_layers: A sequence of rules: `keras.layers.Layer`
+            subclasses, regular expressions, predicates and kerasmp's
+            built-in rules. A layer matches when it is an instance of one of
+            the classes, when a regular expression matches its whole `name`
+            (`re.fullmatch`), when a predicate (a module-level function of
+            the layer, called once the layer is constructed) returns True,
+            or when a built-in rule matches it. `keras.layers.Softmax` also
+            matches layers whose `activation` is softmax or log_softmax.
+            Defaults to `DEFAULT_FLOAT32_LAYERS`: softmax, every Keras
+            normalization layer, `NORMALIZATION_BY_NAME` (normalizations
+            that model libraries and users define, such as keras-hub's
+            `T5LayerNorm` or a `class RMSNorm(keras.layers.Layer)`) and
+            `KNOWN_FLOAT16_HAZARDS`. Add to it with
+            `[*kerasmp.DEFAULT_FLOAT32_LAYERS, MyLayer]`; pass `()` for no
+            overrides.
+        float32_exclude: A sequence of layer classes, regular expressions
+            and predicates (as in `float32_layers`): a layer they match is
+            never put in float32 by `float32_layers`, whatever rule would
+            match it. Defaults to `()`.
+        float8: For the float8 names only (`"float8_mixed_bfloat16"`,
+            `"float8_mixed_float16"`): a `kerasmp.float8.Float8Rule` saying
+            which Dense/EinsumDense layers train in Keras's float8 mode
+            (assigned at `compile`, see `kerasmp.float8`). Defaults to
+            `Float8Rule()`. Every other layer computes as under the base
+            policy (`"mixed_bfloat16"` / `"mixed_float16"`).
+
+    Example:
+
+    >>> import kerasmp
+    >>> kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    >>> keras.layers.Dense(4).compute_dtype
+    'float16'
+    >>> keras.layers.Softmax().compute_dtype
+    'float32'
+    >>> class RMSNorm(keras.layers.Layer):
+    ...     def call(self, x):
+    ...         return x * keras.ops.rsqrt(keras.ops.mean(x * x, -1, True))
+    >>> RMSNorm().compute_dtype  # normalization by name
+    'float32'
+    >>> kerasmp.set_global_policy("float32")
+    """
+
+    def __init__(self, name="mixed_float16",
+                 float32_layers=DEFAULT_FLOAT32_LAYERS, float32_exclude=(),
+                 float8=None):
+        if not isinstance(name, str) or name not in _FLOAT_NAMES:
+            raise ValueError(
+                f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
+                f"values: {', '.join(_FLOAT_NAMES)}."
+            )
+        if isinstance(float32_layers, (str, type, re.Pattern)):
+            raise TypeError(
+                "`float32_layers` must be a sequence (list or tuple) of layer "
+                "classes and/or regular expressions, not a single entry. "
+                f"Received: {float32_layers!r}"
+            )
+        try:
+            rules = tuple(float32_layers)
+        except TypeError:
+            raise TypeError(
+                "`float32_layers` must be a sequence of layer classes and/or "
+                f"regular expressions. Received: {float32_layers!r}"
+            ) from None
+        excludes = rule_sequence(float32_exclude, "float32_exclude")
+        for entry in excludes:
+            if isinstance(entry, (_norm_rule.BuiltinRule,
+                                  _norm_rule.Exclude)):
+                raise TypeError(
+                    "Invalid `float32_exclude` entry: expected a layer "
+                    "class, a regular expression or a predicate. To drop a "
+                    "built-in rule, leave it out of `float32_layers`. "
+                    f"Received: {entry!r}"
+                )
+        self._float8 = _float8.rule_for(name, float8)
+        super().__init__(name)
+        self._rules = tuple(
+            _norm_rule.Exclude(parse_rule(r, "float32_exclude"))
+            for r in excludes
+        ) + tuple(parse_rule(r) for r in rules)
+        self._matchers = {
+            r.pattern: NameMatcher(r.pattern)
+            for r in (getattr(r, "rule", r) for r in self._rules)
+            if isinstance(r, re.Pattern)
+        }
+        self._overrides = {}  # rule description -> Float32Override
+        # (layer class, name, activation) -> rule description or None, so
+        # that each layer is matched once, not on every dtype lookup.
+        self._decisions = {}
+
+    def _parse_name(self, name):
+        # A float8 name computes like its base policy (kerasmp.float8).
+        base = keras.DTypePolicy(_float8.base_name(name))
+        return base.compute_dtype, base.variable_dtype
+
+    @property
+    def float8(self):
+        """The `Float8Rule` of a float8 policy, else None."""
+        return self._float8
+
+    def stock_policy(self):
+        """The stock Keras policy a saved file holds for Keras without
+        kerasmp (the base policy of a float8 name)."""
+        return keras.DTypePolicy(_float8.base_name(self.name))
+
+    @property
+    def float32_layers(self):
+        """The rules: layer classes, compiled regexes, predicates and
+        built-in rules, after the `float32_exclude` entries (each wrapped
+        so that `Policy(name, float32_layers=p.float32_layers)` excludes
+        the same layers)."""
+        return self._rules
+
+    @property
+    def has_float16_compute(self):
+        """Whether layers under this policy compute in float16."""
+        return self.compute_dtype == "float16"
+
+    def float32_rule(self, layer):
+        """Returns the rule that puts `layer` in float32, or None.
+
+        Args:
+            layer: A `keras.layers.Layer`.
+
+        Returns:
+            A short description of the matching rule: what kind of rule
+            matched, then its detail: `"Keras class (LayerNormalization)"`,
+            `"Keras class (Softmax: activation=softmax)"`,
+            `"normalization by name (T5LayerNorm)"`,
+            `"known float16 hazard (T5MultiHeadAttention)"`,
+            `"user rule (name~'head.*')"`, `"user rule (MyBlock)"` or
+            `"user rule (predicate is_norm)"`; or None.
+        """
+        activation = activation_name(layer)
+        key = (type(layer), layer.name, activation)
+        try:
+            return self._decisions[key]
+        except KeyError:
+            pass
+        decision, final = self._match(layer, activation)
+        if final:
+            self._decisions[key] = decision
+        return decision
+
+    def _matches(self, rule, layer, activation):
+        """(detail or None, final): final is False while a rule cannot
+        judge the layer yet (its `__init__` is running)."""
+        if isinstance(rule, re.Pattern):
+            if self._matchers[rule.pattern].fullmatch(layer.name or ""):
+                return f"name~{rule.pattern!r}", True
+            return None, True
+        if isinstance(rule, type):
+            if isinstance(layer, rule):
+                return rule.__name__, True
+            if (rule is keras.layers.Softmax
+                    and activation in SOFTMAX_ACTIVATIONS):
+                return f"Softmax: activation={activation}", True
+            return None, True
+        if isinstance(rule, _norm_rule.BuiltinRule):
+            if rule.float16_only and self.compute_dtype != "float16":
+                return None, True
+            detail = rule.match(layer)
+            if detail is _norm_rule.UNDECIDED:
+                return None, False
+            return detail, True
+        if _norm_rule.in_construction(layer):
+            return None, False
+        return (rule_name(rule) if rule(layer) else None), True
+
+    def _match(self, layer, activation):
+        final = True
+        for rule in self._rules:
+            exclude = isinstance(rule, _norm_rule.Exclude)
+            detail, decided = self._matches(
+                rule.rule if exclude else rule, layer, activation)
+            final = final and decided
+            if detail is None:
+                continue
+            if exclude:
+                return None, final
+            if isinstance(rule, _norm_rule.BuiltinRule):
+                return f"{rule.kind} ({detail})", final
+            if rule in _KERAS_DEFAULT_CLASSES:
+                return f"Keras class ({detail})", final
+            return f"user rule ({detail})", final
+        return None, final
+
+    def policy_for(self, layer):
+        """Returns the policy `layer` actually computes with.
+
+        Args:
+            layer: A `keras.layers.Layer` whose stored policy is this one.
+
+        Returns:
+            A `Float32Override` when `layer` matches `float32_layers` and
+            this policy does not already compute in float32 or float64, else
+            this policy.
+        """
+        if self.compute_dtype in ("float32", "float64"):
+            return self
+        rule = self.float32_rule(layer)
+        if rule is None:
+            return self
+        if rule not in self._overrides:
+            self._overrides[rule] = Float32Override(self, rule)
+        return self._overrides[rule]
+
+    def get_config(self):
+        rules = [rule_to_config(rule) for rule in self._rules]
+        config = {"name": self.name, "float32_layers": rules}
+        if self._float8 is not None:
+            config["float8"] = self._float8.get_config()
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        rules = config.pop("float32_layers", None)
+        if rules is None:
+            return cls(**config)
+        if not isinstance(rules, (list, tuple)):
+            raise ValueError(
+                f"Invalid `float32_layers` in a saved policy: {rules!r:.200}")
+        parsed = [rule_from_config(r) for r in rules]
+        return cls(float32_layers=parsed, **config)
+
+    def __eq__(self, other):
+        # The rules themselves, not `get_config()`: a lambda predicate
+        # cannot be saved, but its policy can still be compared.
+        return (
+            isinstance(other, Policy)
+            and self.name == other.name
+            and self.float32_layers == other.float32_layers
+        )
+
+    def __hash__(self):
+        return hash((self.name, len(self._rules)))
+
+    def __repr__(self):
+        n = len(self._rules)
+        return f'<kerasmp.Policy "{self.name}", {n} float32 rules>'
+
+
+
+def _as_policy(policy_or_name, argname="policy"):
+    if isinstance(policy_or_name, keras.DTypePolicy):
+        return policy_or_name
+    if isinstance(policy_or_name, str):
+        return Policy(policy_or_name)
+    raise TypeError(
+        f"`{argname}` must be a policy name ({', '.join(_FLOAT_NAMES)}), a "
+        f"kerasmp.Policy or a keras.DTypePolicy. Received: {policy_or_name!r}"
+    )
+
+
+def set_global_policy(policy_or_name):
+    """Sets the global dtype policy that layers built afterwards use.
+
+    A name is turned into `kerasmp.Policy(name)` with the default float32
+    layers; `set_global_policy("float32")` goes back to plain float32. While
+    a float16 `kerasmp.Policy` governs a model's layers, `model.compile()`
+    wraps a plain optimizer in `kerasmp.LossScaleOptimizer` (see
+    `kerasmp._patches`).
+
+    Args:
+        policy_or_name: A policy name (`"mixed_float16"`, `"mixed_bfloat16"`,
+            `"float32"`, ...), a `kerasmp.Policy` or a `keras.DTypePolicy`.
+
+    Example:
+
+    >>> kerasmp.set_global_policy("mixed_float16")
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    >>> kerasmp.set_global_policy("float32")
+    """
+    keras.config.set_dtype_policy(_as_policy(policy_or_name))
+
+
+def global_policy():
+    """Returns the global dtype policy (a `keras.DTypePolicy`)."""
+    return keras.config.dtype_policy()
+
+
+@contextlib.contextmanager
+def policy_scope(policy_or_name):
+    """Context manager that sets the global policy and restores the old one.
+
+    Args:
+        policy_or_name: As for `set_global_policy`.
+
+    Example:
+
+    >>> with kerasmp.policy_scope("mixed_bfloat16"):
+    ...     layer = keras.layers.Dense(2)
+    >>> layer.compute_dtype
+    'bfloat16'
+    """
+    previous = global_policy()
+    set_global_policy(policy_or_name)
+    try:
+        yield global_policy()
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def stored_policy(layer):
+    """Returns the policy stored on `layer`, before kerasmp's resolution.
+
+    None while `Layer.__init__` has not stored one yet.
+    """
+    return _ki.stored_dtype_policy(layer)
+
+
+def float32_rule(layer, policy=None):
+    """Returns the kerasmp rule that computes `layer` in float32, or None.
+
+    Args:
+        layer: A `keras.layers.Layer`.
+        policy: The `kerasmp.Policy` whose rules to apply. Defaults to the
+            layer's own kerasmp policy, or `Policy()` with the default rules
+            when the layer is not governed by one.
+    """
+    if policy is None:
+        stored = stored_policy(layer)
+        policy = stored if isinstance(stored, Policy) else Policy()
+    return policy.float32_rule(layer)
+
+
+def handoff_dtype(layer):
+    """The dtype in which `layer` hands its float outputs on inside a model.
+
+    A layer that a kerasmp rule keeps in float32 computes in float32 but
+    passes its outputs to the layers after it in the governing policy's
+    compute dtype (see `Policy`); every other layer passes them on as
+    computed, and this function returns None.
+
+    Args:
+        layer: A `keras.layers.Layer`.
+
+    Example:
+
+    >>> kerasmp.set_global_policy("mixed_float16")
+    >>> kerasmp.policy.handoff_dtype(keras.layers.LayerNormalization())
+    'float16'
+    """
+    stored = stored_policy(layer)
+    if not isinstance(stored, Policy) or stored.policy_for(layer) is stored:
+        return None
+    return stored.compute_dtype
+
+
+def _is_castable(x, target):
+    if x is None or isinstance(x, keras.KerasTensor):
+        return False
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not keras.ops.is_tensor(x):
+        return False
+    dtype = keras.backend.standardize_dtype(dtype)
+    return dtype in ("float32", "float64") and dtype != target
+
+
+def hand_back(outputs, dtype, originals=None):
+    """A float32 layer's outputs, cast to the half-precision `dtype` of
+    the layer they are handed to (the one hand-back cast of kerasmp).
+
+    Every float32 (or float64) backend tensor in the structure is cast to
+    `dtype`, keeping its Keras mask; symbolic `KerasTensor`s, integer
+    tensors and non-tensors pass unchanged. Used by the `Layer.__call__`
+    patch in `kerasmp._patches` (through `handoff_dtype`) and by the exported
+    `HalfModel` (`kerasmp/export/half.py`).
+
+    Args:
+        outputs: A tensor or a structure of tensors.
+        dtype: The compute dtype to hand back in, e.g. `"float16"`.
+        originals: Optional dict: `id(cast)` maps to `(cast, original)`
+            for each tensor cast, so the outermost call can give the
+            float32 originals back.
+
+    Example:
+
+    >>> y = kerasmp.policy.hand_back(keras.ops.ones((2,)), "float16")
+    >>> keras.backend.standardize_dtype(y.dtype)
+    'float16'
+    """
+
+    def cast(x):
+        if not _is_castable(x, dtype):
+            return x
+        y = keras.ops.cast(x, dtype)
+        mask = _ki.get_keras_mask(x)
+        if mask is not None:
+            _ki.set_keras_mask(y, mask)
+        if originals is not None:
+            originals[id(y)] = (y, x)
+        return y
+
+    return keras.tree.map_structure(cast, outputs)
+
+

@@ -1,0 +1,196 @@
+"""The float32 rules of a `kerasmp.Policy`: parsing and saving them.
+
+A rule is a `keras.layers.Layer` subclass, a regular expression matched
+against the whole layer name, a predicate (a module-level function of the
+layer) or one of kerasmp's built-in rules (`kerasmp.policy.norms`).
+`parse_rule` checks one; `rule_to_config` / `rule_from_config` write it to a
+saved policy and read it back without importing any module a file names.
+"""
+
+import re
+import sys
+
+import keras
+
+from kerasmp._utils.namematch import NameMatcher
+from kerasmp.policy import norms as _norm_rule
+
+SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
+
+
+def parse_rule(rule, argname="float32_layers"):
+    """Returns a float32 rule as a layer class, a compiled regex, a
+    predicate or a built-in rule.
+
+    Args:
+        rule: A `keras.layers.Layer` subclass, a compiled regex, a string
+            (a regular expression matched against the whole layer name), a
+            function of the layer returning True for a match (a predicate),
+            or one of kerasmp's built-in rules (`NORMALIZATION_BY_NAME`,
+            `KNOWN_FLOAT16_HAZARDS`).
+        argname: The argument the rule came from, for error messages.
+
+    Raises:
+        ValueError: `rule` is a string that is not a valid regex.
+        TypeError: `rule` is anything else.
+    """
+    if isinstance(rule, (_norm_rule.BuiltinRule, _norm_rule.Exclude)):
+        return rule
+    if isinstance(rule, type) and issubclass(rule, keras.layers.Layer):
+        return rule
+    if isinstance(rule, (str, re.Pattern)):
+        pattern = rule.pattern if isinstance(rule, re.Pattern) else rule
+        try:
+            NameMatcher(pattern)
+            return rule if isinstance(rule, re.Pattern) else re.compile(rule)
+        except (ValueError, re.error) as e:
+            raise ValueError(
+                f"Invalid `{argname}` entry: {pattern!r} is not a supported "
+                f"regular expression ({e}). Allowed entries: "
+                "keras.layers.Layer subclasses, or regular expressions "
+                "(literals, classes, groups, |, * + ? {m,n}, ^ $) matched "
+                "against the whole layer name."
+            ) from None
+    if callable(rule) and not isinstance(rule, type):
+        return rule
+    raise TypeError(
+        f"Invalid `{argname}` entry: expected a keras.layers.Layer "
+        "subclass, a regular expression (str) matched against the layer "
+        "name, a predicate (a function of the layer returning True or "
+        "False) or a kerasmp built-in rule (kerasmp.policy."
+        "NORMALIZATION_BY_NAME, KNOWN_FLOAT16_HAZARDS). Received: "
+        f"{rule!r} (of type {type(rule).__name__})"
+    )
+
+
+def rule_name(rule):
+    if isinstance(rule, type):
+        return rule.__name__
+    if isinstance(rule, re.Pattern):
+        return f"name~{rule.pattern!r}"
+    return f"predicate {getattr(rule, '__qualname__', repr(rule))}"
+
+
+def _function_to_config(fn, argname):
+    registered = keras.saving.get_registered_name(fn)
+    if registered != getattr(fn, "__name__", None):
+        return {"registered_name": registered}
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    if not module or not qualname or "<" in qualname:
+        raise ValueError(
+            f"The `{argname}` predicate {fn!r} cannot be saved: define it "
+            "as a function at module level (or register it with "
+            "keras.saving.register_keras_serializable) so that a saved "
+            "policy can name it."
+        )
+    return {"module": module, "function": qualname}
+
+
+def _function_from_config(config):
+    """Finds a saved predicate without importing anything (like classes)."""
+    if "registered_name" in config:
+        fn = keras.saving.get_registered_object(config["registered_name"])
+        name = config["registered_name"]
+    else:
+        fn = sys.modules.get(str(config.get("module")))
+        for part in str(config.get("function", "")).split("."):
+            fn = getattr(fn, part, None)
+        name = config.get("function")
+    if not callable(fn) or isinstance(fn, type):
+        raise ValueError(
+            f"Unknown predicate {name!r} in `float32_layers`: kerasmp does "
+            "not import modules named by a file. Import the module that "
+            "defines it before loading."
+        )
+    return fn
+
+
+def rule_to_config(rule):
+    if isinstance(rule, _norm_rule.Exclude):
+        return {"exclude": rule_to_config(rule.rule)}
+    if isinstance(rule, _norm_rule.BuiltinRule):
+        return {"builtin": rule.key}
+    if isinstance(rule, re.Pattern):
+        return {"pattern": rule.pattern}
+    if isinstance(rule, type):
+        return _class_to_config(rule)
+    return {"predicate": _function_to_config(rule, "float32_layers")}
+
+
+def rule_from_config(config):
+    if not isinstance(config, dict):
+        raise ValueError(f"Invalid `float32_layers` entry: {config!r:.200}")
+    if "exclude" in config:
+        return _norm_rule.Exclude(parse_rule(rule_from_config(
+            config["exclude"])))
+    if "builtin" in config:
+        rule = _norm_rule.BUILTIN_RULES.get(config["builtin"])
+        if rule is None:
+            raise ValueError(
+                f"Unknown built-in rule {config['builtin']!r} in "
+                f"`float32_layers`; this kerasmp knows "
+                f"{sorted(_norm_rule.BUILTIN_RULES)}."
+            )
+        return rule
+    if "pattern" in config:
+        return config["pattern"]
+    if "predicate" in config:
+        return _function_from_config(config["predicate"])
+    return _class_from_config(config)
+
+
+def activation_name(layer):
+    activation = getattr(layer, "activation", None)
+    return getattr(activation, "__name__", None)
+
+
+def _class_to_config(cls):
+    registered = keras.saving.get_registered_name(cls)
+    if registered != cls.__name__:
+        return {"registered_name": registered}
+    return {"module": cls.__module__, "class_name": cls.__qualname__}
+
+
+def _class_from_config(config):
+    """Finds a saved rule's layer class without importing anything.
+
+    A file names the class; kerasmp looks it up in Keras's registry or in a
+    module that is already imported, so loading a file never imports (and
+    runs) a module it names.
+    """
+    if not isinstance(config, dict):
+        raise ValueError(f"Invalid `float32_layers` entry: {config!r:.200}")
+    name = config.get("registered_name") or config.get("class_name")
+    if "registered_name" in config:
+        cls = keras.saving.get_registered_object(config["registered_name"])
+    else:
+        obj = sys.modules.get(str(config.get("module")))
+        for part in str(config.get("class_name", "")).split("."):
+            obj = getattr(obj, part, None)
+        cls = obj
+    if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+        raise ValueError(
+            f"Unknown layer class {name!r} in `float32_layers`: kerasmp "
+            "does not import modules named by a file. Import the module "
+            "that defines it before loading."
+        )
+    return cls
+
+
+def rule_sequence(value, argname):
+    if isinstance(value, (str, type, re.Pattern)) or (
+            callable(value) and not isinstance(value, (list, tuple))):
+        raise TypeError(
+            f"`{argname}` must be a sequence (list or tuple) of layer "
+            "classes, regular expressions and/or predicates, not a single "
+            f"entry. Received: {value!r}"
+        )
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"`{argname}` must be a sequence of layer classes, regular "
+            f"expressions and/or predicates. Received: {value!r}"
+        ) from None
+

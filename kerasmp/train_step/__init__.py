@@ -1,0 +1,1 @@
+"""kerasmp's train step, installed by `compile` (`steps`)."""

@@ -1,0 +1,201 @@
+"""kerasmp's one train step (`kerasmp.train_step.steps`, installed by compile).
+
+- The logs do not depend on which callbacks are attached: the same seeded
+  fit through overflowing steps, with and without both monitors, gives the
+  same loss, metrics and weights (monitors only add keys).
+- Honest logs on skipped steps (docs/monitoring.md): an epoch whose every
+  step is skipped logs the loss that was computed (finite or NaN), never
+  the 0.0 of an empty mean.
+"""
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import kerasmp
+from kerasmp.callbacks import LossScaleMonitor
+from kerasmp.callbacks import NonFiniteMonitor
+from kerasmp.optimizer import LossScaleOptimizer
+from kerasmp.train_step import steps as _train_step
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 6)).astype("float32")
+    y = (x[:, :1] * 0.5 + 0.1).astype("float32")
+    x[[5, 13, 20], 0] = 1e5  # inf in float16: those steps are skipped
+    return x, y
+
+
+def _model(jit, spe):
+    kerasmp.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss="mse",
+        metrics=["mae"],
+        jit_compile=jit,
+        steps_per_execution=spe,
+    )
+    return model
+
+
+def _fit(jit, spe, callbacks):
+    x, y = _data()
+    model = _model(jit, spe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    weights = [np.array(ops.convert_to_numpy(w)) for w in model.weights]
+    return history.history, weights
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+@pytest.mark.parametrize("jit", [False, True])
+def test_logs_do_not_depend_on_the_monitors(jit, spe):
+    plain, w_plain = _fit(jit, spe, [])
+    monitors = [LossScaleMonitor(), NonFiniteMonitor(action="warn")]
+    watched, w_watched = _fit(jit, spe, monitors)
+    # Overflowing steps were skipped, and the logs say so without monitors.
+    assert plain["skipped_steps"][-1] >= 4
+    assert "loss_scale" in plain
+    for key, values in plain.items():
+        np.testing.assert_array_equal(watched[key], values, err_msg=key)
+    for a, b in zip(w_watched, w_plain):
+        np.testing.assert_array_equal(a, b)
+    # The monitor saw every execution of `spe` steps.
+    assert len(monitors[0].trace) == 12 // spe
+    assert monitors[0].trace[-1][2] == plain["skipped_steps"][-1]
+
+
+def _reference_loss(model, x, y):
+    """The mean squared error of `model` on `(x, y)`, in NumPy."""
+    pred = np.asarray(ops.convert_to_numpy(model(x)), "float64")
+    return float(np.mean((pred - y) ** 2))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_epoch_of_skipped_steps_logs_the_real_loss(jit):
+    # Targets of 1000: at the initial scale 2**15 every gradient overflows
+    # float16, and 4 steps are too few for the scale to settle.
+    kerasmp.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(1e-3), "mse", jit_compile=jit)
+    x = np.ones((4, 3), "float32")
+    y = np.full((4, 1), 1000.0, "float32")
+    history = model.fit(
+        np.tile(x, (4, 1)),
+        np.tile(y, (4, 1)),
+        batch_size=4,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+    ).history
+    assert history["skipped_steps"] == [4]
+    # No step applied: the weights are those of before, and the loss logged
+    # is the loss computed on them (every batch is the same).
+    loss = history["loss"][0]
+    assert loss == pytest.approx(_reference_loss(model, x, y), rel=1e-3)
+    assert loss > 1e5
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_nan_forward_pass_logs_nan_not_zero(jit):
+    kerasmp.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(2),
+            keras.layers.Lambda(lambda t: t * float("nan")),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=jit)
+    x = np.ones((8, 3), "float32")
+    history = model.fit(x, x[:, :1], batch_size=4, verbose=0).history
+    assert history["skipped_steps"] == [2]
+    assert math.isnan(history["loss"][0])
+
+
+def test_installed_by_compile_and_scaled_with_kerasmps_optimizer_only():
+    kerasmp.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    x = np.ones((8, 3), "float32")
+    model.compile("sgd", "mse")
+    assert isinstance(model.optimizer, LossScaleOptimizer)
+    assert _train_step.scaled(model)
+    assert set(model.fit(x, x[:, :1], verbose=0).history) == {
+        "loss", "loss_scale", "skipped_steps"}
+    # Another optimizer: stock logs (the step is still kerasmp's).
+    model.compile("sgd", "mse", auto_scale_loss=False)
+    assert not _train_step.scaled(model)
+    assert set(model.fit(x, x[:, :1], verbose=0).history) == {"loss"}
+    assert len(_train_step.rows(model)) == 1
+
+
+def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    stock = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    model.compile(stock, "mse")
+    assert not _train_step.scaled(model)
+    x = np.ones((8, 3), "float32")
+    with pytest.warns(UserWarning, match="from_config") as record:
+        model.fit(x, x[:, :1], verbose=0, callbacks=[LossScaleMonitor()])
+    assert len([w for w in record if "from_config" in str(w.message)]) == 1
+    # The warning points at this file, not at Keras's callback list.
+    assert record[0].filename == __file__
+    # The stock optimizer's config builds kerasmp's.
+    converted = LossScaleOptimizer.from_config(stock.get_config())
+    assert converted.initial_scale == stock.initial_scale
+
+
+def test_the_progress_bar_shows_the_logged_scale_and_skips(capsys):
+    # Documented in docs/monitoring.md ("Limits"): Keras's Progbar prints
+    # every log value as a float, a value <= 1e-3 in exponent form.
+    x, y = _data()
+    model = _model(jit=False, spe=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(
+            x, y, batch_size=4, epochs=2, shuffle=False, verbose=2
+        ).history
+    lines = [
+        line for line in capsys.readouterr().out.splitlines()
+        if "skipped_steps" in line
+    ]
+    assert len(lines) == 2
+    for line, scale, skipped in zip(
+        lines, history["loss_scale"], history["skipped_steps"]
+    ):
+        assert f"loss_scale: {scale:.4f}" in line
+        assert f"skipped_steps: {skipped:.4f}" in line
+    assert history["skipped_steps"][0] >= 1
+    # No overflow: 0 skipped steps, in Keras's format for small values.
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(1e-3), "mse")
+    model.fit(x[:4] * 1e-3, y[:4] * 1e-3, batch_size=4, verbose=2)
+    assert "skipped_steps: 0.0000e+00" in capsys.readouterr().out
