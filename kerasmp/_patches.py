@@ -40,7 +40,8 @@ import threading
 import keras
 
 from kerasmp import _keras_internals as _ki
-from kerasmp.float8 import rule as _float8
+from kerasmp.float8.layers import assign_layers
+from kerasmp.float8.layers import needs_loss_scaling as float8_needs_scaling
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
@@ -137,12 +138,12 @@ def _compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _train_step.install(self)
         return result
-    _float8.assign_layers(self)  # float8 policies: the rule's layers
+    assign_layers(self)  # float8 policies: the rule's layers
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
     if arguments["auto_scale_loss"] and (
-        needs_loss_scaling(self) or _float8.needs_loss_scaling(self)
+        needs_loss_scaling(self) or float8_needs_scaling(self)
     ):
         optimizer = keras.optimizers.get(arguments["optimizer"])
         if optimizer is not None and not isinstance(

@@ -65,7 +65,7 @@ from kerasmp.apps.zoo import build_model
 from kerasmp.apps.zoo import make_data
 from kerasmp.callbacks.performance import PerformanceMonitor
 from kerasmp.debug.nonfinite import record_calls
-from kerasmp.float8.rule import float8_layers
+from kerasmp.float8 import float8_layers
 from kerasmp.policy.policy import handoff_dtype
 
 POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16",

@@ -44,8 +44,9 @@ import numpy as np
 from kerasmp import _keras_internals as _ki
 from kerasmp.float8 import jax_fit_state as _jax_fit_state
 from kerasmp.float8 import probe as _float8_probe
-from kerasmp.float8 import rule as _float8
 from kerasmp.float8 import telemetry as _tm
+from kerasmp.float8.layers import fall_back
+from kerasmp.float8.layers import float8_layers
 
 ACTIONS = ("log", "warn", "fallback", "stop")
 
@@ -255,7 +256,7 @@ class Float8Monitor(keras.callbacks.Callback):
         """The model's float8 layers (cached until a fallback)."""
         model = _ki.callback_model(self)
         if self._layers is None or self._layers_model is not model:
-            self._layers = _float8.float8_layers(model)
+            self._layers = float8_layers(model)
             self._layers_model = model
             self._read = None
             self._probe_cache = {}
@@ -349,7 +350,7 @@ class Float8Monitor(keras.callbacks.Callback):
             # the variables must hold the running fit's values first.
             _ki.jax_state_sync(self.model)
             try:
-                _float8.fall_back(layer, reason)
+                fall_back(layer, reason)
             except ValueError as e:
                 event["fallback_failed"] = str(e)
             else:

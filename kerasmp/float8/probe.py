@@ -23,17 +23,13 @@ import contextlib
 import weakref
 
 import keras
-import numpy as np
 
-from kerasmp.float8 import jax_fit_state as _jax_fit_state
+from kerasmp._utils.arrays import to_numpy
+from kerasmp.float8.jax_fit_state import all_values
+from kerasmp.float8.jax_fit_state import mapping
+from kerasmp.float8.jax_fit_state import variable_lists
 
 _TRACED = weakref.WeakKeyDictionary()  # model -> traced replays
-
-
-def _numpy(x):
-    if hasattr(x, "numpy"):
-        return np.asarray(x.numpy())  # TensorFlow
-    return np.asarray(x)
 
 
 @contextlib.contextmanager
@@ -105,7 +101,7 @@ def record(model, layers, x, y=None, cache=None):
     if backend not in ("tensorflow", "jax"):
         with _recording(layers, lambda i, pre: pre) as inputs:
             model(x, training=False)
-        return [{"inputs": _numpy(inputs[i])} if i in inputs else {}
+        return [{"inputs": to_numpy(inputs[i])} if i in inputs else {}
                 for i in range(len(layers))]
     cache = {} if cache is None else cache
     # The optimizer too: the JAX replay maps its variables (the loss scale),
@@ -130,9 +126,9 @@ def record(model, layers, x, y=None, cache=None):
         inputs, grads = run(x, y if loss_fn is not None else None)
     out = []
     for i in range(len(layers)):
-        row = {"inputs": _numpy(inputs[str(i)])} if str(i) in inputs else {}
+        row = {"inputs": to_numpy(inputs[str(i)])} if str(i) in inputs else {}
         if str(i) in grads:
-            row["outputs_grad"] = _numpy(grads[str(i)])
+            row["outputs_grad"] = to_numpy(grads[str(i)])
         out.append(row)
     return out
 
@@ -187,16 +183,16 @@ def _jax_replay(model, layers, loss_fn):
     one `jax.jit` (traced once per batch shape) of the forward pass and, with
     `loss_fn`, `jax.grad` of the loss with respect to zeros added to each
     matmul output. The model's values are arguments, not constants: each
-    call passes the current ones (`_jax_fit_state.all_values`)."""
+    call passes the current ones (`all_values`)."""
     import jax
     import jax.numpy as jnp
 
-    lists = _jax_fit_state.variable_lists(model)
+    lists = variable_lists(model)
     ref = weakref.ref(model)
 
     def forward(values, x, on_output, y=None):
         scope = keras.StatelessScope(
-            state_mapping=_jax_fit_state.mapping(lists, values))
+            state_mapping=mapping(lists, values))
         with scope, _recording(layers, on_output) as inputs:
             y_pred = ref()(x, training=False)
             loss = None if y is None else _loss(ref(), loss_fn, y, y_pred)
@@ -231,7 +227,7 @@ def _jax_replay(model, layers, loss_fn):
                 {str(i): g for i, g in zip(keys, grads)})
 
     def run(x, y=None):
-        values = _jax_fit_state.all_values(ref(), lists)
+        values = all_values(ref(), lists)
         if loss_fn is None:
             return replay_inputs(values, x)
         return replay_grads(values, x, y)

@@ -25,7 +25,9 @@ import keras
 from kerasmp import _keras_internals as _ki
 from kerasmp._utils.marked import Marked
 from kerasmp._utils.namematch import NameMatcher
-from kerasmp.float8 import rule as _float8
+from kerasmp.float8.rule import FLOAT8_NAMES
+from kerasmp.float8.rule import base_name
+from kerasmp.float8.rule import rule_for
 from kerasmp.policy import norms as _norm_rule
 from kerasmp.policy.rules import SOFTMAX_ACTIVATIONS
 from kerasmp.policy.rules import activation_name
@@ -36,7 +38,7 @@ from kerasmp.policy.rules import rule_sequence
 from kerasmp.policy.rules import rule_to_config
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
-                "float32", "float64") + tuple(_float8.FLOAT8_NAMES)
+                "float32", "float64") + tuple(FLOAT8_NAMES)
 
 def _normalization_layers():
     return _norm_rule.KERAS_NORMALIZATION_CLASSES
@@ -186,7 +188,7 @@ class Policy(keras.DTypePolicy):
                     "built-in rule, leave it out of `float32_layers`. "
                     f"Received: {entry!r}"
                 )
-        self._float8 = _float8.rule_for(name, float8)
+        self._float8 = rule_for(name, float8)
         super().__init__(name)
         self._rules = tuple(
             _norm_rule.Exclude(parse_rule(r, "float32_exclude"))
@@ -204,7 +206,7 @@ class Policy(keras.DTypePolicy):
 
     def _parse_name(self, name):
         # A float8 name computes like its base policy (kerasmp.float8).
-        base = keras.DTypePolicy(_float8.base_name(name))
+        base = keras.DTypePolicy(base_name(name))
         return base.compute_dtype, base.variable_dtype
 
     @property
@@ -215,7 +217,7 @@ class Policy(keras.DTypePolicy):
     def stock_policy(self):
         """The stock Keras policy a saved file holds for Keras without
         kerasmp (the base policy of a float8 name)."""
-        return keras.DTypePolicy(_float8.base_name(self.name))
+        return keras.DTypePolicy(base_name(self.name))
 
     @property
     def float32_layers(self):

@@ -6,7 +6,7 @@ import keras
 
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
-from kerasmp.float8 import rule as _float8
+from kerasmp.float8.layers import report_reason
 from kerasmp.policy import policy as _policy
 
 
@@ -75,7 +75,7 @@ moved to float32."""
 
 
 def _reason(layer, global_policy):
-    float8_reason = _float8.report_reason(layer)
+    float8_reason = report_reason(layer)
     if float8_reason is not None:
         return float8_reason
     resolved = layer.dtype_policy

@@ -11,14 +11,15 @@ patches in `kerasmp._patches` route Keras's serialize, deserialize and
 
 import keras
 
-from kerasmp.float8 import rule as _float8
+from kerasmp.float8.policies import POLICY_CLASSES
+from kerasmp.float8.rule import base_name
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 
 _KERASMP_KEY = "kerasmp"
 _SAVED_CLASSES = {
     cls.__name__: cls
-    for cls in (Policy, Float32Override) + _float8.POLICY_CLASSES
+    for cls in (Policy, Float32Override) + POLICY_CLASSES
 }
 
 
@@ -49,7 +50,7 @@ def portable_policy_name(policy):
         governing = policy.policy
         if (detail in _UPCASTING_CLASSES and isinstance(governing, Policy)
                 and governing.compute_dtype in ("float16", "bfloat16")):
-            return _float8.base_name(governing.name)  # a name Keras knows
+            return base_name(governing.name)  # a name Keras knows
     return policy.name
 
 
