@@ -139,7 +139,8 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
     would pass (the step itself is not run). Wall-clock noise from other
     processes barely touches a loop this short.
     """
-    from kerasmp.train_step import steps as _train_step
+    from kerasmp import train_step as _train_step
+    from kerasmp.train_step import logs as _logs
 
     lsm, nfm = LossScaleMonitor(), NonFiniteMonitor()
     params = {"epochs": 1, "steps": repeats, "verbose": 0}
@@ -157,9 +158,9 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
         "loss": keras.ops.convert_to_tensor(2.3),
         "loss_scale": keras.ops.convert_to_tensor(32768.0),
         "skipped_steps": keras.ops.convert_to_tensor(0),
-        _train_step._BATCH_KEY: batch,
+        _logs.BATCH_KEY: batch,
         # The step's record: not skipped, counters 0, scale 2**15, finite.
-        _train_step._ROW_KEY: keras.ops.convert_to_tensor(
+        _logs.ROW_KEY: keras.ops.convert_to_tensor(
             np.array([0.0, 0.0, 0.0, 32768.0, 0.0], "float32")
         ),
     }

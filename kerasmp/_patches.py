@@ -40,18 +40,16 @@ import threading
 import keras
 
 from kerasmp import _keras_internals as _ki
+from kerasmp import train_step as _train_step
 from kerasmp.float8.layers import assign_layers
-from kerasmp.float8.layers import needs_loss_scaling as float8_needs_scaling
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
-from kerasmp.policy.plan import governed_layers
-from kerasmp.policy.plan import needs_loss_scaling
+from kerasmp.policy.plan import plan as build_plan
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import hand_back
 from kerasmp.policy.policy import handoff_dtype
 from kerasmp.policy.workers import check_workers_agree
-from kerasmp.train_step import steps as _train_step
 
 _originals = {}  # what install() replaced, for uninstall()
 
@@ -134,17 +132,16 @@ def _from_config(cls, config):
 def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
-    if not governed_layers(self):
+    plan = build_plan(self)
+    if not plan.governed:
         result = original(self, *args, **kwargs)
         _train_step.install(self)
         return result
-    assign_layers(self)  # float8 policies: the rule's layers
+    assign_layers(self, plan.float8)  # float8 policies: the rule's layers
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
-    if arguments["auto_scale_loss"] and (
-        needs_loss_scaling(self) or float8_needs_scaling(self)
-    ):
+    if arguments["auto_scale_loss"] and plan.needs_loss_scaling:
         optimizer = keras.optimizers.get(arguments["optimizer"])
         if optimizer is not None and not isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer
@@ -159,7 +156,7 @@ def _compile(self, *args, **kwargs):
     _train_step.install(self)
     # Every worker of a multi-worker job compiles: check there that they
     # all train with the same precision settings (a no-op in one process).
-    check_workers_agree(self)
+    check_workers_agree(self, plan=plan)
     return result
 
 

@@ -208,7 +208,7 @@ def test_operation_class_owns_layer_from_config():
         })
         restored = type(layer).from_config(layer.get_config())
         stored = ki.stored_dtype_policy(restored)
-        assert isinstance(stored, kerasmp.Policy), _changed(
+        assert type(stored).__module__.startswith("kerasmp."), _changed(
             f"{type(layer).__name__}.from_config no longer goes through "
             f"{op.__name__}.from_config, kerasmp's loading hook"
         )
@@ -543,14 +543,16 @@ NOT_KERAS = {
 
 def _kerasmp_modules():
     """`{path relative to kerasmp/: path}` of the library and its apps."""
-    paths = sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("apps/*.py"))
+    paths = sorted(ROOT.rglob("*.py"))
     return {p.relative_to(ROOT).as_posix(): p for p in paths}
 
 
 def test_the_scan_covers_the_apps():
     names = set(_kerasmp_modules())
-    assert {"policy/policy.py", "_patches.py", "apps/cli/__init__.py",
-            "apps/bench.py", "apps/demo.py", "apps/zoo.py"} <= names
+    assert {"policy/policy.py", "_patches.py", "train_step/tensorflow.py",
+            "export/half.py", "apps/bench.py", "apps/demo.py",
+            "apps/zoo.py"} <= names
+    assert any(name.startswith("apps/cli/") for name in names)
 
 
 def _private_keras_names():

@@ -16,7 +16,6 @@ from kerasmp.float8.layers import assign_layers
 from kerasmp.float8.layers import decide
 from kerasmp.float8.layers import fall_back
 from kerasmp.float8.layers import float8_layers
-from kerasmp.float8.layers import needs_loss_scaling
 from kerasmp.float8.layers import report_reason
 from kerasmp.float8.policies import POLICY_CLASSES
 from kerasmp.float8.policies import Float8Assignment
@@ -42,7 +41,6 @@ __all__ = [
     "fall_back",
     "float8_layers",
     "is_float8_name",
-    "needs_loss_scaling",
     "report_reason",
     "rule_for",
 ]

@@ -60,18 +60,20 @@ def _is_matmul(layer):
     return type(layer) in MATMUL_CLASSES
 
 
-def decide(model):
+def decide(model, layers=None):
     """Applies the float8 rule to every layer of `model`.
 
     Args:
         model: A `keras.Model` or layer, built (unbuilt matmul layers are
             reported as not float8, "not built").
+        layers: Optional `(path, layer)` pairs of `walk(model)` already
+            listed (compile's plan walks the model once).
 
     Returns:
         A list of `Decision`, one per layer a float8 policy governs (or that
         was assigned or moved off float8), in `dtype_report` order.
     """
-    everything = list(walk(model))
+    everything = list(walk(model)) if layers is None else list(layers)
     rows = [(p, l) for p, l in everything if _float8_policy(l) is not None
             and not isinstance(l, keras.layers.InputLayer)]
     matmuls = [p for p, l in everything if _is_matmul(l)]
@@ -118,7 +120,7 @@ def _judge(rule, layer, path, first, last):
     return True, f"kernel {dims} = {size} >= {rule.min_kernel_size}"
 
 
-def assign_layers(model):
+def assign_layers(model, decisions=None):
     """Moves the layers the float8 rule selects to Keras's float8 mode.
 
     kerasmp's compile hook calls it; call it yourself for a model that was
@@ -129,6 +131,7 @@ def assign_layers(model):
     Args:
         model: A built `keras.Model` whose layers a float8 `kerasmp.Policy`
             governs (anything else: nothing happens).
+        decisions: Optional: `decide(model)`, already made.
 
     Returns:
         The paths of the layers in float8 after the call.
@@ -142,7 +145,8 @@ def assign_layers(model):
     ['dense_1']
     >>> kerasmp.set_global_policy("float32")
     """
-    decisions = decide(model)
+    if decisions is None:
+        decisions = decide(model)
     if not decisions:
         return []
     if any(d.reason == "not built" for d in decisions):
@@ -167,12 +171,6 @@ def float8_layers(model):
     """`(path, layer)` of every layer of `model` in Keras's float8 mode."""
     return [(p, l) for p, l in walk(model)
             if getattr(l, "quantization_mode", None) == "float8"]
-
-
-def needs_loss_scaling(model):
-    """Whether a trainable float8 layer of `model` computes in float16."""
-    return any(l.trainable and l.compute_dtype == "float16"
-               for _, l in float8_layers(model))
 
 
 def fall_back(layer, reason):

@@ -7,50 +7,28 @@ mode, counters of skipped steps, and an overflow decision that every replica
 of a `tf.distribute` strategy takes together. docs/loss_scaling.md states the
 rules next to PyTorch's, DeepSpeed's and Megatron's.
 
-The whole per-step rule lives in `_next_state`, a pure function of the current
-state and the global "all gradients finite" flag. The TensorFlow path
-evaluates it inside each branch of one `cond` (with the flag known there, so
-a step builds only its branch's few scalar ops) and assigns the results; the
-JAX path (`stateless_apply`, also used by `apply` outside `fit`) evaluates it
-on the flag tensor and returns them.
-
-Length: one class whose state rule, TensorFlow (distributed) and JAX
-apply paths must stay in step, plus the argument validation that gives
-every bad value a clear error at construction.
+The per-step rule is `kerasmp.optimizer.scale_rule.next_state`, a pure
+function. The TensorFlow path evaluates it inside each branch of one `cond`
+(with the flag known there, so a step builds only its branch's few scalar
+ops) and assigns the results; the JAX path (`stateless_apply`, also used by
+`apply` outside `fit`) evaluates it on the flag tensor and returns them.
 """
 
-import math
+import dataclasses
 import numbers
 
 import keras
-import numpy as np
 from keras import ops
 
 from kerasmp import _keras_internals as _ki
-
-
-class _DefaultScale(float):
-    """The default `initial_scale` (2**15), told apart from an explicit
-    2**15 by identity: it moves into `[min_scale, max_scale]` when those
-    bounds exclude it, where an explicit value raises."""
-
-
-_DEFAULT_INITIAL_SCALE = _DefaultScale(2.0**15)
-_DEFAULT_MIN_SCALE = 1.0
-_DEFAULT_MAX_SCALE = 2.0**24
-
-# What the float32 scale variable can hold, and the int32 counters.
-_F32 = np.finfo(np.float32)
-_F32_TINY = float(_F32.tiny)  # the smallest normal float32, 2**-126
-_F32_MAX = float(_F32.max)
-_INT32_MAX = int(np.iinfo(np.int32).max)
-# The bounds as messages print them: the shortest decimals that float32
-# reads back as the bound itself (3.4028235e+38 is just above `_F32_MAX` in
-# float64, and rounds to it).
-_TINY_TEXT = f"{_F32.tiny:.8g}"  # 1.1754944e-38
-_MAX_TEXT = f"{_F32.max:.8g}"  # 3.4028235e+38
-_ABOVE_ONE_TEXT = f"{np.nextafter(np.float32(1), 2):.8g}"  # 1.0000001
-_BELOW_ONE_TEXT = f"{np.nextafter(np.float32(1), 0):.8g}"  # 0.99999994
+from kerasmp._utils.arrays import to_numpy
+from kerasmp.optimizer.arguments import DEFAULT_INITIAL_SCALE
+from kerasmp.optimizer.arguments import DEFAULT_MAX_SCALE
+from kerasmp.optimizer.arguments import DEFAULT_MIN_SCALE
+from kerasmp.optimizer.arguments import validate
+from kerasmp.optimizer.scale_rule import ScaleRule
+from kerasmp.optimizer.scale_rule import ScaleState
+from kerasmp.optimizer.scale_rule import next_state
 
 
 @keras.saving.register_keras_serializable(package="kerasmp")
@@ -123,19 +101,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __init__(
         self,
         inner_optimizer,
-        initial_scale=_DEFAULT_INITIAL_SCALE,
+        initial_scale=DEFAULT_INITIAL_SCALE,
         dynamic_growth_steps=2000,
         growth_factor=2.0,
         backoff_factor=0.5,
         hysteresis=1,
         consecutive_hysteresis=False,
-        min_scale=_DEFAULT_MIN_SCALE,
-        max_scale=_DEFAULT_MAX_SCALE,
+        min_scale=DEFAULT_MIN_SCALE,
+        max_scale=DEFAULT_MAX_SCALE,
         dynamic=True,
         name=None,
         **kwargs,
     ):
-        initial_scale = _validate(
+        initial_scale = validate(
             inner_optimizer,
             initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps,
@@ -193,26 +171,42 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The current loss scale, as a Python float."""
         if not self.built:
             return float(self.initial_scale)
-        return float(ops.convert_to_numpy(self.dynamic_scale))
+        return float(to_numpy(self.dynamic_scale))
 
     @property
     def skipped_steps(self):
         """How many steps were skipped for non-finite gradients, as an int."""
         if not self.built:
             return 0
-        return int(ops.convert_to_numpy(self.total_skipped_steps))
+        return int(to_numpy(self.total_skipped_steps))
 
     @property
     def _accumulation_steps(self):
         return self.inner_optimizer.gradient_accumulation_steps or 0
 
-    def _state_variables(self):
-        """The variables `_next_state` reads and writes, by key."""
+    @property
+    def scale_rule(self):
+        """The `ScaleRule` this optimizer applies (its settings)."""
+        return ScaleRule(
+            growth_steps=self.dynamic_growth_steps,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            hysteresis=self.hysteresis,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            dynamic=self.dynamic,
+            accumulation_steps=self._accumulation_steps,
+        )
+
+    def state_variables(self):
+        """The variables behind each `ScaleState` field (built optimizer):
+        `{field: variable}`, without `skipped`, which no variable holds."""
         state = {
             "scale": self.dynamic_scale,
             "counter": self.step_counter,
             "budget": self.hysteresis_budget,
-            "skipped": self.total_skipped_steps,
+            "total_skipped": self.total_skipped_steps,
             "consecutive": self.consecutive_skipped_steps,
         }
         if self._accumulation_steps:
@@ -222,78 +216,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         return state
 
-    def _next_state(self, state, finite):
-        """The state after one step, given whether all gradients are finite.
+    def read_state(self, value_of=ops.convert_to_tensor):
+        """The `ScaleState` the variables hold now (after a step: whether
+        it was skipped, the scale, the counts).
 
-        `state` maps the keys of `_state_variables` to current values.
-        `finite` is a bool tensor, or a Python bool inside a branch that
-        already knows it (then only that branch's ops are built). Returns the
-        new values of the keys that change (a pure function: no variable is
-        touched), and `"reset_accumulators"` when the inner optimizer
-        accumulates gradients.
+        Args:
+            value_of: How to read one variable (in a traced step, the
+                value at that point of the program).
         """
-        overflow = _not(finite)
-        new = {}
-        grow = False
-        if finite is not False:
-            counter = state["counter"] + 1
-            grow = _and(finite, counter >= self.dynamic_growth_steps)
-            new["counter"] = _where(_and(finite, _not(grow)), counter, 0)
-        else:
-            new["counter"] = 0
-        if overflow is not False:
-            new["skipped"] = state["skipped"] + (
-                1
-                if overflow is True
-                else ops.cast(overflow, state["skipped"].dtype)
-            )
-            new["consecutive"] = _where(finite, 0, state["consecutive"] + 1)
-        else:
-            new["consecutive"] = 0
-        if self.dynamic:
-            scale = state["scale"]
-            back_off = overflow
-            if self.hysteresis > 1:
-                refill = finite if self.consecutive_hysteresis else grow
-                budget = state["budget"]
-                if overflow is not False:
-                    back_off = _and(overflow, budget <= 1)
-                    budget = _where(
-                        _and(overflow, budget > 1), budget - 1, budget
-                    )
-                new["budget"] = _where(refill, self.hysteresis, budget)
-            new_scale = scale
-            if back_off is not False:
-                backed_off = ops.maximum(
-                    scale * self.backoff_factor, self.min_scale
-                )
-                new_scale = _where(back_off, backed_off, new_scale)
-            if grow is not False:
-                grown = scale * self.growth_factor
-                if self.max_scale is not None:
-                    grown = ops.minimum(grown, self.max_scale)
-                # Never grow to inf (PyTorch's rule): keep the scale instead.
-                grown = ops.where(ops.isfinite(grown), grown, scale)
-                new_scale = _where(grow, grown, new_scale)
-            new["scale"] = new_scale
-        if self._accumulation_steps:
-            k = self._accumulation_steps
-            discard = state["discard"]
-            # An overflow in a window not yet discarded: roll the inner
-            # optimizer's micro-step counter back to the window's start, drop
-            # what it accumulated, and ignore the rest of the window.
-            first = _and(overflow, ops.equal(discard, 0))
-            rest = 0
-            if first is not False:
-                iterations = state["inner_iterations"]
-                position = iterations % k
-                new["inner_iterations"] = _where(
-                    first, iterations - position, iterations
-                )
-                rest = _where(first, k - 1 - position, 0)
-            new["discard"] = ops.where(discard > 0, discard - 1, rest)
-            new["reset_accumulators"] = first
-        return new
+        return ScaleState.from_values(
+            {k: value_of(v) for k, v in self.state_variables().items()}
+        )
 
     # ------------------------------------------------------------ the update
 
@@ -358,10 +291,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def _update_state(self, finite):
-        variables = self._state_variables()
-        new = self._next_state(_Reads(variables), finite)
-        reset = new.pop("reset_accumulators", False)
-        for key, value in new.items():
+        variables = self.state_variables()
+        before = ScaleState(
+            **{k: ops.convert_to_tensor(v) for k, v in variables.items()}
+        )
+        after, reset = next_state(self.scale_rule, before, finite)
+        for key, value in after.changed(before).items():
             variables[key].assign(ops.cast(value, variables[key].dtype))
         if reset is not False:
             ops.cond(
@@ -454,20 +389,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         index = {id(v): i for i, v in enumerate(self.variables)}
         own_count = len(_ki.optimizer_own_variables(self))
         inner_values = optimizer_variables[own_count:]
-        state_variables = self._state_variables()
-        state = {
+        state_variables = self.state_variables()
+        before = ScaleState(**{
             k: optimizer_variables[index[id(v)]]
             for k, v in state_variables.items()
-        }
+        })
 
         finite = self.check_finite(grads)
         apply_now = finite
         if self._accumulation_steps:
-            apply_now = ops.logical_and(finite, state["discard"] == 0)
+            apply_now = ops.logical_and(finite, before.discard == 0)
 
         def apply_inner():
             unscaled = self._unscale(
-                grads, state["scale"], _ki.optimizer_trainable_variables(self)
+                grads, before.scale, _ki.optimizer_trainable_variables(self)
             )
             new_tvs, new_inner = self.inner_optimizer.stateless_apply(
                 inner_values, unscaled, trainable_variables
@@ -481,10 +416,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self._accumulation_steps:
             # After the inner update, as the stateful path reads it.
             i = index[id(_ki.optimizer_iterations(self.inner_optimizer))]
-            state["inner_iterations"] = new_values[i]
-        new = self._next_state(state, finite)
-        reset = new.pop("reset_accumulators", False)
-        for key, value in new.items():
+            before = dataclasses.replace(before, inner_iterations=new_values[i])
+        after, reset = next_state(self.scale_rule, before, finite)
+        for key, value in after.changed(before).items():
             i = index[id(state_variables[key])]
             new_values[i] = ops.cast(value, new_values[i].dtype)
         if reset is not False:
@@ -497,8 +431,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     lambda c=current: c,
                 )
         return new_tvs, new_values
-
-    # ------------------------------------------------------------- config
 
     def get_config(self):
         config = super().get_config()
@@ -525,45 +457,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # set just enough to hold it (an explicit bound is kept, and raises).
         initial = config.get("initial_scale")
         if isinstance(initial, numbers.Real) and not isinstance(initial, bool):
-            if "min_scale" not in config and initial < _DEFAULT_MIN_SCALE:
+            if "min_scale" not in config and initial < DEFAULT_MIN_SCALE:
                 config["min_scale"] = initial
-            if "max_scale" not in config and initial > _DEFAULT_MAX_SCALE:
+            if "max_scale" not in config and initial > DEFAULT_MAX_SCALE:
                 config["max_scale"] = initial
         return super().from_config(config, custom_objects=custom_objects)
 
-
-def _not(a):
-    return (not a) if isinstance(a, bool) else ops.logical_not(a)
-
-
-def _and(a, b):
-    if isinstance(a, bool):
-        return b if a else False
-    if isinstance(b, bool):
-        return a if b else False
-    return ops.logical_and(a, b)
-
-
-def _where(condition, a, b):
-    if isinstance(condition, bool):
-        return a if condition else b
-    return ops.where(condition, a, b)
 
 
 def _no_op():
     return None
 
-
-class _Reads(dict):
-    """Reads each state variable once, when first needed."""
-
-    def __init__(self, variables):
-        super().__init__()
-        self._variables = variables
-
-    def __missing__(self, key):
-        value = self[key] = ops.convert_to_tensor(self._variables[key])
-        return value
 
 
 def _values(g):
@@ -583,138 +487,3 @@ def _is_indexed_slices(g):
     return type(g).__name__ == "IndexedSlices"
 
 
-def _as_float32(value):
-    """`value` rounded to float32, as the scale's ops round it (inf beyond
-    float32's range, even for an int too large for a float64)."""
-    try:
-        value = float(value)
-    except OverflowError:
-        value = math.inf if value > 0 else -math.inf
-    with np.errstate(over="ignore", under="ignore"):
-        return np.float32(value)
-
-
-def _fail(name, value, allowed):
-    raise ValueError(f"`{name}` must be {allowed}; received {name}={value!r}.")
-
-
-def _check_number(name, value, in_range, allowed):
-    """Raises a ValueError naming `name` unless `value` is a real number
-    (not a bool, not NaN) for which `in_range(value)` holds. `allowed` is
-    the complete description of the allowed values, for the message."""
-    if (
-        isinstance(value, (bool, np.bool_))
-        or not isinstance(value, numbers.Real)
-        or math.isnan(_as_float32(value))
-        or not in_range(value)
-    ):
-        _fail(name, value, allowed)
-
-
-def _check_integer(name, value, low):
-    """Python and NumPy integers in `[low, int32 max]` (the counters are
-    int32); bools are not integers here."""
-    if (
-        isinstance(value, (bool, np.bool_))
-        or not isinstance(value, numbers.Integral)
-        or not low <= value <= _INT32_MAX
-    ):
-        _fail(name, value, f"an integer from {low} to {_INT32_MAX}")
-
-
-def _check_bool(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        _fail(name, value, "True or False")
-
-
-def _validate(
-    inner_optimizer,
-    *,
-    initial_scale,
-    dynamic_growth_steps,
-    growth_factor,
-    backoff_factor,
-    hysteresis,
-    consecutive_hysteresis,
-    min_scale,
-    max_scale,
-    dynamic,
-):
-    """Checks every argument against what the state can hold (a float32
-    scale, int32 counters) and returns the `initial_scale` to use."""
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "`inner_optimizer` must be a plain Keras optimizer, not a "
-            "LossScaleOptimizer (loss scaling would be applied twice); "
-            f"received {inner_optimizer!r}."
-        )
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise ValueError(
-            "`inner_optimizer` must be a `keras.optimizers.Optimizer` "
-            f"instance; received {inner_optimizer!r}."
-        )
-    # The factors are applied in float32: one that rounds to 1 there would
-    # never grow (or never back off: every later step skipped), one that
-    # rounds to inf or 0 would be meaningless.
-    _check_number(
-        "growth_factor",
-        growth_factor,
-        lambda v: 1 < _as_float32(v) <= _F32_MAX,
-        "a number > 1 that stays above 1 and finite in float32 (the "
-        f"scale's dtype): from {_ABOVE_ONE_TEXT} to {_MAX_TEXT}",
-    )
-    _check_number(
-        "backoff_factor",
-        backoff_factor,
-        lambda v: _F32_TINY <= _as_float32(v) < 1,
-        "a number in the open interval (0, 1) that float32 (the scale's "
-        f"dtype) holds as a normal number below 1: from {_TINY_TEXT} to "
-        f"{_BELOW_ONE_TEXT}",
-    )
-    _check_integer("dynamic_growth_steps", dynamic_growth_steps, 1)
-    _check_integer("hysteresis", hysteresis, 1)
-    _check_bool("consecutive_hysteresis", consecutive_hysteresis)
-    _check_bool("dynamic", dynamic)
-    # A floor below the smallest normal float32 lets the scale underflow to
-    # 0 (subnormals flush to 0 on most CPUs and GPUs), and a gradient
-    # divided by 0 is inf.
-    _check_number(
-        "min_scale",
-        min_scale,
-        lambda v: _F32_TINY <= _as_float32(v) <= _F32_MAX,
-        f"a number in float32's normal range [{_TINY_TEXT}, {_MAX_TEXT}] "
-        "(the scale is a float32; a smaller floor lets it underflow to 0)",
-    )
-    if max_scale is not None:
-        _check_number(
-            "max_scale",
-            max_scale,
-            lambda v: v >= min_scale and _as_float32(v) <= _F32_MAX,
-            f"None or a number from min_scale ({min_scale!r}) to the "
-            f"largest finite float32, {_MAX_TEXT}",
-        )
-    if initial_scale is _DEFAULT_INITIAL_SCALE:
-        # Bounds that exclude the default move it rather than raise about
-        # an argument the user never passed.
-        default = float(initial_scale)
-        if max_scale is not None:
-            default = min(default, max_scale)
-        return float(max(default, min_scale))
-
-    def in_range(v):
-        if max_scale is None:
-            return min_scale <= v and _as_float32(v) <= _F32_MAX
-        return min_scale <= v <= max_scale
-
-    upper = (
-        f"the largest finite float32, {_MAX_TEXT} (max_scale is None)"
-        if max_scale is None
-        else f"max_scale ({max_scale!r})"
-    )
-    _check_number(
-        "initial_scale",
-        initial_scale,
-        in_range,
-        f"a number from min_scale ({min_scale!r}) to {upper}",
-    )
-    return float(initial_scale)

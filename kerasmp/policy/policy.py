@@ -28,7 +28,13 @@ from kerasmp._utils.namematch import NameMatcher
 from kerasmp.float8.rule import FLOAT8_NAMES
 from kerasmp.float8.rule import base_name
 from kerasmp.float8.rule import rule_for
-from kerasmp.policy import norms as _norm_rule
+from kerasmp.policy.norms import FLOAT16_HAZARDS
+from kerasmp.policy.norms import KERAS_NORMALIZATION_CLASSES
+from kerasmp.policy.norms import NORMALIZATION_BY_NAME
+from kerasmp.policy.norms import UNDECIDED
+from kerasmp.policy.norms import BuiltinRule
+from kerasmp.policy.norms import Exclude
+from kerasmp.policy.norms import in_construction
 from kerasmp.policy.rules import SOFTMAX_ACTIVATIONS
 from kerasmp.policy.rules import activation_name
 from kerasmp.policy.rules import parse_rule
@@ -41,16 +47,16 @@ _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
                 "float32", "float64") + tuple(FLOAT8_NAMES)
 
 def _normalization_layers():
-    return _norm_rule.KERAS_NORMALIZATION_CLASSES
+    return KERAS_NORMALIZATION_CLASSES
 
 
-NORMALIZATION_BY_NAME = _norm_rule.NORMALIZATION_BY_NAME
+NORMALIZATION_BY_NAME = NORMALIZATION_BY_NAME
 """The structural name rule for normalizations Keras does not define
 (`T5LayerNorm`, `MistralLayerNormalization`, a user's `RMSNorm`, ...): a
 layer whose class name ends in "Norm" or "Normalization" and that holds no
 compute-heavy sublayer or kernel (see docs/policies.md)."""
 
-KNOWN_FLOAT16_HAZARDS = _norm_rule.FLOAT16_HAZARDS
+KNOWN_FLOAT16_HAZARDS = FLOAT16_HAZARDS
 """Classes that compute NaN/inf in float16 only (keras-hub's
 `T5MultiHeadAttention` and its `-1e9` mask bias), kept in float32 under
 float16 policies; their Dense sublayers stay float16."""
@@ -180,8 +186,8 @@ class Policy(keras.DTypePolicy):
             ) from None
         excludes = rule_sequence(float32_exclude, "float32_exclude")
         for entry in excludes:
-            if isinstance(entry, (_norm_rule.BuiltinRule,
-                                  _norm_rule.Exclude)):
+            if isinstance(entry, (BuiltinRule,
+                                  Exclude)):
                 raise TypeError(
                     "Invalid `float32_exclude` entry: expected a layer "
                     "class, a regular expression or a predicate. To drop a "
@@ -191,7 +197,7 @@ class Policy(keras.DTypePolicy):
         self._float8 = rule_for(name, float8)
         super().__init__(name)
         self._rules = tuple(
-            _norm_rule.Exclude(parse_rule(r, "float32_exclude"))
+            Exclude(parse_rule(r, "float32_exclude"))
             for r in excludes
         ) + tuple(parse_rule(r) for r in rules)
         self._matchers = {
@@ -272,21 +278,21 @@ class Policy(keras.DTypePolicy):
                     and activation in SOFTMAX_ACTIVATIONS):
                 return f"Softmax: activation={activation}", True
             return None, True
-        if isinstance(rule, _norm_rule.BuiltinRule):
+        if isinstance(rule, BuiltinRule):
             if rule.float16_only and self.compute_dtype != "float16":
                 return None, True
             detail = rule.match(layer)
-            if detail is _norm_rule.UNDECIDED:
+            if detail is UNDECIDED:
                 return None, False
             return detail, True
-        if _norm_rule.in_construction(layer):
+        if in_construction(layer):
             return None, False
         return (rule_name(rule) if rule(layer) else None), True
 
     def _match(self, layer, activation):
         final = True
         for rule in self._rules:
-            exclude = isinstance(rule, _norm_rule.Exclude)
+            exclude = isinstance(rule, Exclude)
             detail, decided = self._matches(
                 rule.rule if exclude else rule, layer, activation)
             final = final and decided
@@ -294,7 +300,7 @@ class Policy(keras.DTypePolicy):
                 continue
             if exclude:
                 return None, final
-            if isinstance(rule, _norm_rule.BuiltinRule):
+            if isinstance(rule, BuiltinRule):
                 return f"{rule.kind} ({detail})", final
             if rule in _KERAS_DEFAULT_CLASSES:
                 return f"Keras class ({detail})", final

@@ -7,7 +7,10 @@ import keras
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
 from kerasmp.float8.layers import report_reason
-from kerasmp.policy import policy as _policy
+from kerasmp.policy.policy import Float32Override
+from kerasmp.policy.policy import Policy
+from kerasmp.policy.policy import global_policy
+from kerasmp.policy.policy import stored_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,19 +77,19 @@ FALLBACK_RULE = "NonFiniteMonitor fallback"
 moved to float32."""
 
 
-def _reason(layer, global_policy):
+def _reason(layer, global_now):
     float8_reason = report_reason(layer)
     if float8_reason is not None:
         return float8_reason
     resolved = layer.dtype_policy
-    if isinstance(resolved, _policy.Float32Override):
+    if isinstance(resolved, Float32Override):
         if resolved.rule == FALLBACK_RULE:
             return "float32 by NonFiniteMonitor fallback"
         return f"kerasmp override: {resolved.rule}"
-    stored = _policy.stored_policy(layer)
-    if stored == global_policy:
+    stored = stored_policy(layer)
+    if stored == global_now:
         return "global policy"
-    if isinstance(stored, _policy.Policy):
+    if isinstance(stored, Policy):
         # Built under another global policy (`policy_scope`), handed its
         # parent's policy, or loaded from a file: the policy is kerasmp's,
         # whoever set it.
@@ -127,7 +130,7 @@ def dtype_report(model):
             "`model` must be a keras.Model or keras.layers.Layer. "
             f"Received: {model!r}"
         )
-    global_policy = _policy.global_policy()
+    current = global_policy()
     rows = []
     for path, layer in walk(model):
         if isinstance(layer, keras.layers.InputLayer):
@@ -138,7 +141,7 @@ def dtype_report(model):
                 layer_class=type(layer).__name__,
                 compute_dtype=layer.compute_dtype,
                 variable_dtype=layer.variable_dtype,
-                reason=_reason(layer, global_policy),
+                reason=_reason(layer, current),
             )
         )
     return DTypeReport(rows)

@@ -13,7 +13,9 @@ import sys
 import keras
 
 from kerasmp._utils.namematch import NameMatcher
-from kerasmp.policy import norms as _norm_rule
+from kerasmp.policy.norms import BUILTIN_RULES
+from kerasmp.policy.norms import BuiltinRule
+from kerasmp.policy.norms import Exclude
 
 SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
 
@@ -34,7 +36,7 @@ def parse_rule(rule, argname="float32_layers"):
         ValueError: `rule` is a string that is not a valid regex.
         TypeError: `rule` is anything else.
     """
-    if isinstance(rule, (_norm_rule.BuiltinRule, _norm_rule.Exclude)):
+    if isinstance(rule, (BuiltinRule, Exclude)):
         return rule
     if isinstance(rule, type) and issubclass(rule, keras.layers.Layer):
         return rule
@@ -107,9 +109,9 @@ def _function_from_config(config):
 
 
 def rule_to_config(rule):
-    if isinstance(rule, _norm_rule.Exclude):
+    if isinstance(rule, Exclude):
         return {"exclude": rule_to_config(rule.rule)}
-    if isinstance(rule, _norm_rule.BuiltinRule):
+    if isinstance(rule, BuiltinRule):
         return {"builtin": rule.key}
     if isinstance(rule, re.Pattern):
         return {"pattern": rule.pattern}
@@ -122,15 +124,15 @@ def rule_from_config(config):
     if not isinstance(config, dict):
         raise ValueError(f"Invalid `float32_layers` entry: {config!r:.200}")
     if "exclude" in config:
-        return _norm_rule.Exclude(parse_rule(rule_from_config(
+        return Exclude(parse_rule(rule_from_config(
             config["exclude"])))
     if "builtin" in config:
-        rule = _norm_rule.BUILTIN_RULES.get(config["builtin"])
+        rule = BUILTIN_RULES.get(config["builtin"])
         if rule is None:
             raise ValueError(
                 f"Unknown built-in rule {config['builtin']!r} in "
                 f"`float32_layers`; this kerasmp knows "
-                f"{sorted(_norm_rule.BUILTIN_RULES)}."
+                f"{sorted(BUILTIN_RULES)}."
             )
         return rule
     if "pattern" in config:

@@ -17,8 +17,7 @@ import json
 import keras
 import numpy as np
 
-from kerasmp._utils.layers import walk
-from kerasmp.policy import policy as _policy
+from kerasmp.policy.plan import plan as build_plan
 
 _LOSS_SCALE_FIELDS = (
     "initial_scale",
@@ -33,17 +32,7 @@ _LOSS_SCALE_FIELDS = (
 )
 
 
-def _governing_policy(model):
-    """The kerasmp `Policy` governing `model` or its first governed layer."""
-    layers = [model] + [layer for _, layer in walk(model)]
-    for layer in layers:
-        stored = _policy.stored_policy(layer)
-        if isinstance(stored, _policy.Policy):
-            return stored
-    return None
-
-
-def worker_settings(model):
+def worker_settings(model, plan=None):
     """The settings every worker must share, as `{field: str}`.
 
     Fields: `policy` (the model's dtype policy name), `float32_layers` (the
@@ -54,9 +43,12 @@ def worker_settings(model):
 
     Args:
         model: a `keras.Model`.
+        plan: Optional: its `kerasmp.policy.plan.Plan`, already made
+            (compile's).
     """
-    policy = _governing_policy(model)
-    settings = {"policy": model.dtype_policy.name}
+    plan = build_plan(model) if plan is None else plan
+    policy = plan.policy
+    settings = {"policy": plan.dtype_policy}
     if policy is None:
         settings["float32_layers"] = "-"
     else:
@@ -127,7 +119,7 @@ def _jax_gatherer():
     return jax.process_index(), jax.process_count(), all_gather
 
 
-def check_workers_agree(model, strategy=None):
+def check_workers_agree(model, strategy=None, plan=None):
     """Raises on every worker if the workers' precision settings differ.
 
     Exchanges `worker_settings(model)` between the workers (a collective
@@ -140,6 +132,7 @@ def check_workers_agree(model, strategy=None):
         model: the compiled `keras.Model` of this worker.
         strategy: TensorFlow only: the strategy; defaults to the one in
             scope.
+        plan: Optional: the model's `Plan`, already made (compile's).
 
     Raises:
         ValueError: on every worker, the same message, naming each field
@@ -165,7 +158,7 @@ def check_workers_agree(model, strategy=None):
         return
     task_id, num_workers, all_gather = gatherer
     payload = list(
-        json.dumps(worker_settings(model), sort_keys=True).encode("utf-8")
+        json.dumps(worker_settings(model, plan), sort_keys=True).encode("utf-8")
     )
     sizes = all_gather([[task_id, len(payload)]])
     width = int(sizes[:, 1].max())

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 from keras import ops
 
+from kerasmp import train_step as _train_step
 from kerasmp.optimizer import LossScaleOptimizer
 from kerasmp.policy import Policy
 from kerasmp.policy import set_global_policy
-from kerasmp.train_step import steps as _train_step
+from kerasmp.train_step import jax as _jax_step
+from kerasmp.train_step import tensorflow as _tf_step
 
 BATCH = 8
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,7 +273,7 @@ def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
     layer's weights no (nothing is read or written back for them)."""
     restored = []
     if keras.backend.backend() == "jax":
-        original = _train_step.restore_jax
+        original = _jax_step.restore
 
         def spy(old, new, skipped):
             restored.append([
@@ -279,9 +281,9 @@ def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
             ])
             return original(old, new, skipped)
 
-        monkeypatch.setattr(_train_step, "restore_jax", spy)
+        monkeypatch.setattr(_jax_step, "restore", spy)
     else:
-        original = _train_step.Frozen.assigned
+        original = _tf_step.Frozen.assigned
 
         def spy(self):
             pairs = original(self)
@@ -291,7 +293,7 @@ def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
             ])
             return pairs
 
-        monkeypatch.setattr(_train_step.Frozen, "assigned", spy)
+        monkeypatch.setattr(_tf_step.Frozen, "assigned", spy)
     set_global_policy(Policy("mixed_float16"))
     keras.utils.set_random_seed(0)
     frozen = keras.layers.Dense(3, name="frozen")

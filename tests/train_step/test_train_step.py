@@ -17,10 +17,10 @@ import pytest
 from keras import ops
 
 import kerasmp
+from kerasmp import train_step as _train_step
 from kerasmp.callbacks import LossScaleMonitor
 from kerasmp.callbacks import NonFiniteMonitor
 from kerasmp.optimizer import LossScaleOptimizer
-from kerasmp.train_step import steps as _train_step
 
 
 def _data():
