@@ -20,9 +20,8 @@ their variables by object identity on the original model, and by position
 within the same class's own construction order when a `.keras` file is
 loaded (the same code builds them in the same order).
 
-Length: `HalfModel` (its call, config round trip and reports), the plan of
-which variables and layers stay float32 and why, and the argument checks of
-`to_float16`: one mechanism, kept together.
+`plan` and `decide` say which variables and layers stay float32 and why;
+`convert` returns the `HalfModel` and `to_float16` is its public form.
 """
 
 import functools
@@ -33,32 +32,17 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._utils.arrays import FLOAT16_MAX
+from kerasmp._utils.arrays import is_float
+from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
 from kerasmp.policy import policy as _policy
 
 DTYPES = ("float16", "bfloat16")
-FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
-
-
-def numpy_value(x):
-    """A numpy copy of a Keras variable or backend tensor."""
-    x = getattr(x, "value", x)  # a Keras variable -> its backend value
-    if hasattr(x, "numpy"):
-        return np.asarray(x.numpy())  # TensorFlow
-    return np.asarray(x)
-
-
-def is_float(dtype):
-    return "float" in str(dtype)
 
 
 def is_container(layer):
     return isinstance(layer, (keras.Model, keras.layers.InputLayer))
-
-
-def _plain(policy):
-    """A plain `keras.DTypePolicy` with the same name as `policy`."""
-    return keras.DTypePolicy(policy.name)
 
 
 def is_graph_model(model):
@@ -121,17 +105,23 @@ def keep_rules(model, keep_float32):
 # --------------------------------------------------------------------------
 
 
+def _beyond_float16(v):
+    """max |value| of variable `v` if float16 cannot hold it, else None."""
+    if not is_float(v.dtype):
+        return None
+    values = to_numpy(v)
+    if values.size == 0:
+        return None
+    peak = float(np.max(np.abs(values.astype(np.float64))))
+    return peak if np.isfinite(peak) and peak > FLOAT16_MAX else None
+
+
 def _out_of_range(layer):
     """Returns `(weight name, max |value|)` of the first weight of `layer`
     that float16 cannot hold, or None."""
     for v in _ki.own_variables(layer):
-        if not is_float(v.dtype):
-            continue
-        values = numpy_value(v)
-        if values.size == 0:
-            continue
-        peak = float(np.max(np.abs(values.astype(np.float64))))
-        if np.isfinite(peak) and peak > FLOAT16_MAX:
+        peak = _beyond_float16(v)
+        if peak is not None:
             return v.name, peak
     return None
 
@@ -183,7 +173,6 @@ def decide(model, dtype, rules):
             kept[id(layer)] = reason
             ancestors[path] = reason
     return kept, out_of_range
-
 
 
 def _half_policy(layer):
@@ -253,7 +242,7 @@ def plan(model, dtype, keep_float32=None):
             variable_dtypes.append(str(v.dtype))
         elif dtype == "float32" or (layer is not None and id(layer) in kept):
             variable_dtypes.append("float32")
-        elif dtype == "float16" and _beyond_float16(v):
+        elif dtype == "float16" and _beyond_float16(v) is not None:
             variable_dtypes.append("float32")
         else:
             variable_dtypes.append(dtype)
@@ -267,14 +256,6 @@ def plan(model, dtype, keep_float32=None):
         "layer_policies": layer_policies,
         "kept_float32": kept_float32,
     }
-
-
-def _beyond_float16(v):
-    values = numpy_value(v)
-    if not values.size:
-        return False
-    peak = float(np.max(np.abs(values.astype(np.float64))))
-    return bool(np.isfinite(peak) and peak > FLOAT16_MAX)
 
 
 class _Hidden:
@@ -489,13 +470,80 @@ def _handing_back(layer, dtype):
     return wrapped
 
 
+def check_rules(model, dtype, keep_float32=None):
+    """Applies `keep_float32` to `model` for its checks and warnings only.
+
+    For a format whose writer stores the float32 model's weights in half
+    precision itself (TFLite): a bad `keep_float32` raises and a weight
+    beyond the float16 range warns, naming its layer, as `convert` does.
+    """
+    decide(model, dtype, keep_rules(model, keep_float32))
+
+
 def convert(model, dtype, keep_float32=None, float16_inputs=False):
     """Returns `(HalfModel, {path: reason} of layers kept in float32)`."""
     p = plan(model, dtype, keep_float32)
-    values = [numpy_value(v) for v in unique_variables(model)]
+    values = [to_numpy(v) for v in unique_variables(model)]
     half = HalfModel(
         model, p["variable_dtypes"], p["layer_policies"],
         kept_float32=p["kept_float32"], float16_inputs=float16_inputs,
         values=values,
     )
     return half, p["kept_float32"]
+
+
+def to_float16(model, keep_float32=None, float16_inputs=False,
+               dtype="float16"):
+    """Returns a half-precision copy of `model` for inference.
+
+    Nothing is rebuilt: the copy holds half-precision copies of the
+    variables and, when called, runs `model`'s own `call` with them
+    (`keras.StatelessScope`) and with each layer's dtype policy temporarily
+    set to `mixed_float16` (or `float32` for the kept layers). So it works
+    for any model Keras can trace, keras-hub backbones and models without a
+    `get_config()` included. Its variables and computations are float16 (or
+    bfloat16), except the layers kept in float32:
+
+    - the layers matched by `keep_float32`; by default the float32 layers of
+      the model's `kerasmp.Policy` (or `kerasmp.DEFAULT_FLOAT32_LAYERS`:
+      softmax and normalization layers, nested ones included, and layers
+      whose activation is softmax);
+    - for float16, any layer with a weight float16 cannot represent
+      (|x| > 65504), with a warning naming it: a BatchNormalization moving
+      variance above 65504 would become inf and zero its channel.
+
+    The weights are the float32 masters of `model`, rounded once. The inputs
+    stay float32 (the first layers cast them) unless `float16_inputs=True`.
+    `model` itself is not modified, and the copy has no compile state.
+
+    Args:
+        model: A built `keras.Model` (Sequential, Functional, subclassed).
+        keep_float32: None for the defaults above, or a sequence of
+            `keras.layers.Layer` subclasses and/or regular expressions
+            matched against layer names (`re.fullmatch`) to keep in float32
+            instead (weights beyond the float16 range are always kept). To
+            add to the defaults, pass
+            `[*kerasmp.DEFAULT_FLOAT32_LAYERS, "head"]`.
+        float16_inputs: Whether the model's float inputs become half
+            precision too. Defaults to False (float32 inputs).
+        dtype: `"float16"` (default) or `"bfloat16"`.
+
+    Returns:
+        A `kerasmp.export.half.HalfModel` (a `keras.Model`): `half.weights` are
+        the copies; `half.layer_compute_dtypes()`,
+        `half.variable_dtype_map()` and `half.kept_float32` describe it;
+        `half.source_model()` is `model`.
+
+    Example:
+
+    >>> with kerasmp.policy_scope("mixed_float16"):
+    ...     model = keras.Sequential([keras.Input((8,)),
+    ...                               keras.layers.Dense(4, name="d"),
+    ...                               keras.layers.LayerNormalization(
+    ...                                   name="ln")])
+    >>> half = kerasmp.export.to_float16(model)
+    >>> half.layer_compute_dtypes()
+    {'d': 'float16', 'ln': 'float32'}
+    """
+    check_dtype(dtype, DTYPES)
+    return convert(model, dtype, keep_float32, float16_inputs)[0]

@@ -16,7 +16,9 @@ kerasmp is not installed.
 
 Where that cannot express the model (its config does not rebuild the same
 layers, or a kept layer is created with an explicit dtype the map does not
-reach), `build` raises `NotExpressible` naming the layer.
+reach), `build` raises `NotExpressible` naming the layer. The format's
+writer, reader (`keras.saving.load_model`) and weight counter close the
+module.
 """
 
 import copy
@@ -27,8 +29,15 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._utils.arrays import is_float
+from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
-from kerasmp.export import half as _half
+from kerasmp.export.half import is_container
+from kerasmp.export.half import is_graph_model
+from kerasmp.export.half import plan
+from kerasmp.export.half import unique_variables
+from kerasmp.export.inputs import input_specs
+from kerasmp.export.inputs import predict
 
 # Each non-.keras format works without a config round trip.
 OTHER_FORMATS = "'savedmodel', 'tflite' or 'onnx'"
@@ -80,7 +89,7 @@ def _rewrite(config, layer, node_policy):
     gets its own entry. Any other layer's config (and what it nests) gets
     one map covering the layer and the sublayers it creates itself.
     """
-    if _half.is_graph_model(layer) and isinstance(config.get("config"),
+    if is_graph_model(layer) and isinstance(config.get("config"),
                                                   dict):
         inner = dict(config["config"])
         children = []
@@ -176,18 +185,19 @@ def _pairs(model, rebuilt):
     return [(p, a, b) for (p, a), (_, b) in zip(source, copy)]
 
 
-def build(model, dtype, keep_float32=None, check=None):
+def build(model, dtype, keep_float32=None, example=None):
     """Returns `(plain model, {path: reason} of layers kept in float32)`.
 
     The plain model is a stock Keras model rebuilt from `model`'s config
     with the policy maps described in the module docstring, holding the
     float32 master weights of `model` rounded once to `dtype` (float32 for
-    the kept layers).
+    the kept layers). With `example` (the parity inputs: one array per
+    model input), it is checked by running it on their first 8 rows.
 
     A kept layer that Keras gives no `Layer.path` (a `Softmax` has no
     build) is reached through its parent's map default, which then makes
     the parent's other pathless sublayers (its `Dropout`) float32 as well.
-    If `check(plain model)` raises with that (a parent's own code adding a
+    If that run raises with that (a parent's own code adding a
     float32 to a float16 tensor), or if that default makes a pathless layer
     kerasmp keeps in half precision compute in float32 on half-precision
     inputs (its float32 output may then meet a float16 tensor in the
@@ -201,9 +211,20 @@ def build(model, dtype, keep_float32=None, check=None):
     Raises:
         NotExpressible: naming the layer, before anything is written.
     """
-    p = _half.plan(model, dtype, keep_float32)
+    p = plan(model, dtype, keep_float32)
     kept = dict(p["kept_float32"])
-    config = keras.saving.serialize_keras_object(model)
+    try:
+        config = keras.saving.serialize_keras_object(model)
+    except NotImplementedError as e:  # no get_config()
+        raise NotExpressible(
+            f"format='keras' cannot write {model.name!r} as a plain Keras "
+            f"file: {type(model).__name__} has no usable get_config() (add "
+            "one returning its __init__ arguments); export to "
+            f"{OTHER_FORMATS} instead.") from e
+    check = None
+    if example is not None:
+        few = [a[:8] for a in example]
+        check = lambda plain: predict(plain, few)  # noqa: E731
     config.pop("compile_config", None)  # inference only: no optimizer
     # Pass 1 learns each rebuilt layer's `Layer.path` (the maps' keys).
     probe = _rebuild(_replace_policies(config, _policy_map(dtype, {})),
@@ -219,17 +240,9 @@ def build(model, dtype, keep_float32=None, check=None):
                 model, dtype, kept, config, probe, wpath,
                 pathless_float32=False, check=check)
         except _RunFailed as e:
-            raise NotExpressible(
-                f"format='keras' cannot write {model.name!r} as a plain "
-                "Keras file: with stock dtype policies it fails to run "
-                f"({root_cause(e.__cause__)}); export to {OTHER_FORMATS} "
-                "instead.") from e.__cause__
+            raise _fails_to_run(model, e.__cause__) from e.__cause__
         if not pathless:
-            raise NotExpressible(
-                f"format='keras' cannot write {model.name!r} as a plain "
-                "Keras file: with stock dtype policies it fails to run "
-                f"({root_cause(first.__cause__)}); export to "
-                f"{OTHER_FORMATS} instead.") from first.__cause__
+            raise _fails_to_run(model, first.__cause__) from first.__cause__
         warnings.warn(
             f"kerasmp.export: in the .keras file of {model.name!r}, "
             f"{', '.join(repr(x) for x in pathless)} compute in {dtype}, "
@@ -243,6 +256,15 @@ def build(model, dtype, keep_float32=None, check=None):
 
 class _RunFailed(Exception):
     pass
+
+
+def _fails_to_run(model, error):
+    """The `NotExpressible` of a plain copy of `model` that raised `error`
+    when run."""
+    return NotExpressible(
+        f"format='keras' cannot write {model.name!r} as a plain Keras file: "
+        "with stock dtype policies it fails to run "
+        f"({root_cause(error)}); export to {OTHER_FORMATS} instead.")
 
 
 def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
@@ -281,8 +303,8 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
 
     rebuilt = _rebuild(_rewrite(config, probe, node_policy), model)
     for path, src, layer in _pairs(model, rebuilt):
-        if (path in kept and not _half.is_container(layer)
-                and _half.is_float(layer.compute_dtype)
+        if (path in kept and not is_container(layer)
+                and is_float(layer.compute_dtype)
                 and layer.compute_dtype != "float32"
                 and not (path in handed_back
                          and layer.variable_dtype == "float32")
@@ -295,7 +317,7 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
                 f"{OTHER_FORMATS} instead."
             )
         if (path not in kept and layer.path and any(
-                _half.is_float(v.dtype) for v in _ki.own_variables(layer))
+                is_float(v.dtype) for v in _ki.own_variables(layer))
                 and layer.variable_dtype != dtype):
             raise NotExpressible(
                 f"format='keras' cannot write {model.name!r} as a plain "
@@ -305,8 +327,8 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
                 "so stock Keras gives it the global policy); export to "
                 f"{OTHER_FORMATS} instead."
             )
-    sources = _half.unique_variables(model)
-    copies = _half.unique_variables(rebuilt)
+    sources = unique_variables(model)
+    copies = unique_variables(rebuilt)
     if [tuple(v.shape) for v in sources] != [tuple(v.shape) for v in copies]:
         raise NotExpressible(
             f"format='keras' cannot write {model.name!r} as a plain Keras "
@@ -314,13 +336,13 @@ def _attempt(model, dtype, kept, config, probe, wpath, pathless_float32,
             f"differently; export to {OTHER_FORMATS} instead."
         )
     for s, c in zip(sources, copies):
-        value = _half.numpy_value(s)
+        value = to_numpy(s)
         c.assign(value.astype(np.dtype(str(c.dtype))))
     # The layers a float32 map default moves from half precision to float32
     # although kerasmp keeps them in half precision (a parent's `Dropout`).
     widened = [(path, layer) for path, _, layer in _pairs(model, rebuilt)
                if pathless_float32 and not layer.path and path not in kept
-               and not _half.is_container(layer)
+               and not is_container(layer)
                and layer.compute_dtype == "float32"]
     if check is not None:
         recorders = [(path, layer, _ki.stored_dtype_policy(layer),
@@ -363,6 +385,47 @@ class _InputDtypes(keras.DTypePolicy):
     def convert_input(self, x, autocast, dtype):
         if hasattr(x, "dtype"):
             d = keras.backend.standardize_dtype(x.dtype)
-            if _half.is_float(d):
+            if is_float(d):
                 self.seen.add(d)
         return super().convert_input(x, autocast, dtype)
+
+
+def write_keras(model, path, specs, dtype, io_dtype, example=None):
+    """Writes the plain copy `model` (see `build`) as a `.keras` file."""
+    keras.saving.save_model(model, path)
+
+
+def run_keras(path, arrays, specs):
+    """Loads the `.keras` file at `path` with plain Keras and runs it."""
+    try:
+        model = keras.saving.load_model(path, compile=False)
+    except Exception as e:
+        raise ValueError(
+            f"The exported .keras file does not load back ({type(e).__name__}"
+            f": {e}); export to 'savedmodel', 'tflite' or 'onnx' instead."
+        ) from e
+    try:
+        outs = predict(model, arrays)
+    except ValueError:
+        raise
+    except Exception as e:  # the stock policies break the model's code
+        raise _fails_to_run(model, e) from e
+    ins = [dtype for _, _, dtype in input_specs(model)]
+    return outs, ins, [str(o.dtype) for o in outs]
+
+
+def weights_keras(path):
+    """Bytes of the weights stored in the `.keras` file at `path`."""
+    import zipfile
+
+    import h5py
+
+    total = 0
+    with zipfile.ZipFile(path) as z, z.open("model.weights.h5") as f:
+        with h5py.File(f, "r") as h5:
+            def add(_, obj):
+                nonlocal total
+                if isinstance(obj, h5py.Dataset):
+                    total += obj.size * obj.dtype.itemsize
+            h5.visititems(add)
+    return total

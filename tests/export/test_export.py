@@ -20,8 +20,8 @@ import pytest
 from keras import layers
 
 from kerasmp import export as kx
-from kerasmp.export.formats import input_specs
-from kerasmp.export.formats import size as artifact_size
+from kerasmp.export.inputs import input_specs
+from kerasmp.export.parity import size as artifact_size
 from kerasmp.policy import Policy
 from kerasmp.policy import policy_scope
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kerasmp import export as kx
-from kerasmp.export.formats import size as artifact_size
+from kerasmp.export.parity import size as artifact_size
 from kerasmp.policy import Policy
 from kerasmp.policy import policy_scope
 

@@ -22,8 +22,10 @@ from _helpers import subprocess_env
 from keras import layers
 
 from kerasmp import export as kx
-from kerasmp.export import formats as _io
 from kerasmp.export import specs as _format_specs
+from kerasmp.export.inputs import draw_inputs
+from kerasmp.export.inputs import input_specs
+from kerasmp.export.parity import parity
 from kerasmp.policy import Policy
 from kerasmp.policy import policy_scope
 from kerasmp.policy.report import dtype_report
@@ -140,7 +142,7 @@ def test_scale_free_parity_figure():
     ref = [np.array([[0.0, 30.0], [10.0, 20.0]]),
            np.array([[1e-3, 0.0], [0.0, 1e-3]])]
     out = [ref[0] + 0.3, ref[1] + 1e-5]
-    p = _io.parity(ref, out)
+    p = parity(ref, out)
     assert p["max_abs_diff"] == pytest.approx(0.3)
     assert p["rel_diffs"] == pytest.approx([0.3 / 30, 1e-5 / 1e-3])
     assert p["rel_diff"] == pytest.approx(0.01)
@@ -152,16 +154,16 @@ def test_default_inputs_respect_the_model():
     mask = keras.Input((6,), dtype="int32", name="padding_mask")
     e = layers.Embedding(37, 4)(ids)
     m = keras.Model([ids, mask], layers.GlobalAveragePooling1D()(e))
-    specs = _io.input_specs(m)
-    tok, pad = _io.draw_inputs(m, specs, 256)
+    specs = input_specs(m)
+    tok, pad = draw_inputs(m, specs, 256)
     assert tok.min() >= 0 and tok.max() < 37 and tok.max() > 30
     assert np.all(pad == 1)
     img = keras.Sequential([keras.Input((4,)), layers.Rescaling(1 / 255),
                             layers.Dense(2)])
-    (x,) = _io.draw_inputs(img, _io.input_specs(img), 256)
+    (x,) = draw_inputs(img, input_specs(img), 256)
     assert x.min() >= 0 and x.max() < 255 and x.max() > 200
     plain = build_mlp()
-    (x,) = _io.draw_inputs(plain, _io.input_specs(plain), 256)
+    (x,) = draw_inputs(plain, input_specs(plain), 256)
     assert x.min() >= 0 and x.max() < 1
 
 
@@ -304,8 +306,8 @@ def test_keras_hub_plain_keras_loads_without_kerasmp(tmp_path, backend):
     assert any(k.endswith("self_attention_layer_norm")
                for k in report.kept_float32)
     assert report.weight_ratio <= 0.52
-    specs = _io.input_specs(model)
-    arrays = _io.draw_inputs(model, specs, 8, seed=3)
+    specs = input_specs(model)
+    arrays = draw_inputs(model, specs, 8, seed=3)
     sample = {name: a for (name, _, _), a in zip(specs, arrays)}
     np.savez(tmp_path / "x.npz", **sample)
     proc = subprocess.run(

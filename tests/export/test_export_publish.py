@@ -310,14 +310,14 @@ def test_check_target_rules(tmp_path):
 
 
 def test_docs_format_table_is_generated_from_the_registry():
-    from kerasmp.export import formats as _export_formats
+    from kerasmp.export.registry import format_table
 
     text = (ROOT / "docs" / "export.md").read_text()
     table = text.split("<!-- formats:begin -->\n")[1].split(
         "<!-- formats:end -->")[0]
-    assert table == _export_formats.format_table(), (
+    assert table == format_table(), (
         "docs/export.md's format table is stale: paste "
-        "kerasmp.export.formats.format_table() between its markers")
+        "kerasmp.export.registry.format_table() between its markers")
     assert [line.split("`")[1] for line in table.splitlines()[2:]] == list(
         kx.FORMATS)
 

@@ -1,5 +1,6 @@
-"""TFLite conversion with builtin ops only (what the plain LiteRT
-interpreter runs), for `kerasmp.export(..., format="tflite")`.
+"""The TFLite format: a float32 graph with float16 weights (the only float16
+form TFLite runs), converted with builtin ops only (what the plain LiteRT
+interpreter runs); its reader (ai_edge_litert) and its weight counter.
 
 With unknown sequence lengths, the converter keeps some ops of keras-hub
 transformer decoders as TensorFlow ops (Flex ops): a `x[:, None, :, :]`
@@ -17,10 +18,24 @@ batch to 1. Where Flex ops remain, it raises `NeedsFlexOps`, naming each op
 and the layer it comes from.
 """
 
+import os
 import re
+import shutil
+import tempfile
 import warnings
 
+import keras
+import numpy as np
+
 from kerasmp._utils.layers import walk
+from kerasmp.export.half import HalfModel
+from kerasmp.export.inputs import PREDICT_BATCH
+from kerasmp.export.inputs import batched
+from kerasmp.export.inputs import predict
+from kerasmp.export.parity import parity
+from kerasmp.export.savedmodel import jax_archive
+from kerasmp.export.savedmodel import output_order
+from kerasmp.export.savedmodel import serving_module
 
 _FLEX = "TF Select ops:"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -204,3 +219,122 @@ def _first_line(e):
             break
     text = _ANSI.sub("", text)[:160]
     return f"{type(e).__name__}: {text}"
+
+
+def write_tflite(model, path, specs, dtype, io_dtype, example=None):
+    """`model` is float32: TFLite runs float16 only as float16 weights in a
+    float32 graph, which the converter writes. Builtin ops only; an unknown
+    length is fixed to `example`'s when that avoids Flex ops (see
+    `convert`)."""
+    import tensorflow as tf
+
+    folders = []
+
+    def make_converter(specs):
+        if keras.backend.backend() == "jax":
+            # From JAX: a SavedModel (jax2tf, as stock Keras exports), then
+            # the converter reads it.
+            folder = tempfile.mkdtemp(prefix=".savedmodel-",
+                                      dir=os.path.dirname(path) or ".")
+            folders.append(folder)
+            jax_archive(model, specs, io_dtype).write_out(
+                os.path.join(folder, "m"), verbose=False)
+            converter = tf.lite.TFLiteConverter.from_saved_model(
+                os.path.join(folder, "m"))
+        else:
+            module, serve, _ = serving_module(model, specs, io_dtype)
+            converter = tf.lite.TFLiteConverter.from_concrete_functions(
+                [serve.get_concrete_function()], module
+            )
+        if dtype == "float16":
+            converter.optimizations = [tf.lite.Optimize.DEFAULT]
+            converter.target_spec.supported_types = [tf.float16]
+        return converter
+
+    def verify(flat, specs):
+        """From JAX, a conversion with a free batch can run and compute
+        something else (keras-hub Mistral: 0.31 of the output range):
+        compared here with the model on a few examples."""
+        from ai_edge_litert.interpreter import Interpreter
+
+        rows = [a[:4] for a in example]
+        runner = Interpreter(model_content=flat).get_signature_runner(
+            "serving_default")
+        names = [n for n, _, _ in specs]
+        size = specs[0][1][0] or len(rows[0])
+        outs = batched(
+            lambda b: [np.asarray(v) for _, v in sorted(
+                runner(**dict(zip(names, b))).items(),
+                key=lambda kv: output_order(kv[0]))],
+            rows, size)
+        p = parity(predict(model, rows), outs)
+        if not p["rel_diff"] <= 0.1:
+            return (f"converted with shapes {[tuple(s) for _, s, _ in specs]}"
+                    f", it computes something else (max |diff| / range "
+                    f"{p['rel_diff']:.3g} on {len(rows[0])} examples)")
+        return None
+
+    source = model.source_model() if isinstance(model, HalfModel) else model
+    jax = keras.backend.backend() == "jax" and example is not None
+    try:
+        flat = convert(
+            make_converter, source, specs, example,
+            "export to 'savedmodel' or 'onnx' instead.",
+            verify=verify if jax else None, fix_batch=jax)
+    except NeedsFlexOps:
+        raise
+    except Exception as e:
+        if keras.backend.backend() != "jax":
+            raise
+        raise ValueError(
+            f"format='tflite' cannot convert {source.name!r} from JAX "
+            f"(jax2tf, then the TFLite converter): "
+            f"{summary(e)}; export it with "
+            "KERAS_BACKEND=tensorflow, or to 'savedmodel'.") from e
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+    with open(path, "wb") as f:
+        f.write(flat)
+
+
+def run_tflite(path, arrays, specs):
+    """Runs the .tflite file at `path` with the LiteRT interpreter."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path)
+    runner = interpreter.get_signature_runner("serving_default")
+    names = [name for name, _, _ in specs]
+    out_names = sorted(
+        interpreter.get_signature_list()["serving_default"]["outputs"],
+        key=output_order,
+    )
+    details = runner.get_input_details()
+    ins = [np.dtype(details[name]["dtype"]).name for name in names]
+    # A file written with a fixed batch (the JAX route's last resort, see
+    # `convert`) takes batches of exactly that size.
+    fixed = [int(details[n]["shape_signature"][0]) for n in names
+             if len(details[n]["shape_signature"])]
+    size = fixed[0] if fixed and fixed[0] > 0 else PREDICT_BATCH
+
+    def run_batch(batch):
+        y = runner(**{n: a.astype(d) for n, a, d in zip(names, batch, ins)})
+        return [np.array(y[k]) for k in out_names]  # copies
+
+    outs = batched(run_batch, arrays, size)
+    return outs, ins, [o.dtype.name for o in outs]
+
+
+def weights_tflite(path):
+    """The bytes of the constant buffers (the weights) of a .tflite file,
+    read from its flatbuffer (TensorFlow's generated schema)."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    model = schema.Model.GetRootAsModel(data, 0)
+    total = 0
+    for i in range(model.BuffersLength()):
+        buffer = model.Buffers(i)
+        total += buffer.DataLength()
+    return total

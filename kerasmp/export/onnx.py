@@ -1,0 +1,183 @@
+"""The ONNX format: the half-precision serving function converted by
+tf2onnx (exact GELU's `Erfc` rewritten as `1 - Erf`, weights that are only
+read in float16 stored in float16), its reader (onnxruntime) and its weight
+counter.
+"""
+
+import warnings
+
+import numpy as np
+
+from kerasmp import _keras_internals as _ki
+from kerasmp.export.inputs import batched
+from kerasmp.export.savedmodel import serving_module
+
+
+def _erfc_to_erf(proto):
+    """Rewrites every `Erfc(x)` node as `1 - Erf(x)`, in place.
+
+    Keras's exact GELU is `0.5 * x * erfc(-x / sqrt(2))`; tf2onnx writes
+    `Erfc`, which is not an ONNX operator, so no runtime loads the model.
+    The constant 1 takes the type of `x` (`CastLike`: float16 or float32).
+    """
+    from onnx import TensorProto
+    from onnx import helper
+
+    graph = proto.graph
+    nodes = list(graph.node)
+    if not any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx")
+               for n in nodes):
+        return proto
+    one = "kerasmp_erfc_one"
+    graph.initializer.append(
+        helper.make_tensor(one, TensorProto.FLOAT, [], [1.0])
+    )
+    del graph.node[:]
+    for n in nodes:
+        if n.op_type != "Erfc" or n.domain not in ("", "ai.onnx"):
+            graph.node.append(n)
+            continue
+        erf_out = n.output[0] + "_kerasmp_erf"
+        one_like = n.output[0] + "_kerasmp_one"
+        graph.node.append(helper.make_node(
+            "Erf", [n.input[0]], [erf_out], name=n.name + "_erf"))
+        graph.node.append(helper.make_node(
+            "CastLike", [one, n.input[0]], [one_like],
+            name=n.name + "_one"))
+        graph.node.append(helper.make_node(
+            "Sub", [one_like, erf_out], [n.output[0]],
+            name=n.name + "_one_minus"))
+    return proto
+
+
+def _half_initializers(proto):
+    """Stores as float16 the float32 weights that are only cast to float16.
+
+    The traced graph reads each float16 variable through a cast to float32
+    (the original variable's dtype) and back to float16 (the layer's compute
+    dtype); constant folding keeps the float32 copy. Each such weight holds
+    float16 values exactly, so it is stored in float16 and its casts become
+    identities.
+    """
+    from onnx import TensorProto
+    from onnx import helper
+    from onnx import numpy_helper
+
+    graph = proto.graph
+    users = {}
+    for n in graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+
+    def to_half(n):
+        return n.op_type == "Cast" and any(
+            a.name == "to" and a.i == TensorProto.FLOAT16
+            for a in n.attribute
+        )
+
+    def gathers_from(n, name):
+        return n.op_type == "Gather" and n.input[0] == name
+
+    after = {}  # gather node name -> the cast that follows it
+    for k, init in enumerate(graph.initializer):
+        consumers = users.get(init.name, [])
+        if init.data_type != TensorProto.FLOAT or not consumers:
+            continue
+        casts = all(to_half(n) for n in consumers)
+        gathers = all(gathers_from(n, init.name) for n in consumers)
+        if not (casts or gathers):
+            continue
+        values = numpy_helper.to_array(init)
+        half = values.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), values):
+            continue  # not float16 values (a float32 weight): keep it
+        graph.initializer[k].CopyFrom(numpy_helper.from_array(half, init.name))
+        for n in consumers:
+            if casts:
+                n.op_type = "Identity"
+                del n.attribute[:]
+                continue
+            # An embedding read in float32 (Keras's Embedding does not
+            # autocast): gather the float16 rows, then cast them, exactly.
+            out = n.output[0]
+            n.output[0] = out + "_kerasmp_f16"
+            after[n.name] = helper.make_node(
+                "Cast", [n.output[0]], [out], to=TensorProto.FLOAT,
+                name=n.name + "_kerasmp_f32")
+    if after:  # keep the nodes in topological order
+        nodes = list(graph.node)
+        del graph.node[:]
+        for n in nodes:
+            graph.node.append(n)
+            if n.name in after:
+                graph.node.append(after[n.name])
+    return proto
+
+
+def write_onnx(model, path, specs, dtype, io_dtype, example=None):
+    """Converts `model`'s serving function with tf2onnx (opset 17).
+
+    `model` is the half-precision `HalfModel` (or the float32 one): tf2onnx
+    converts its float16 graph as traced, float16 weights included, with
+    `io_dtype` inputs and outputs; layers kept in float32 stay so.
+    (Converting the float32 graph to float16 afterwards with
+    onnxconverter-common left type mismatches that onnxruntime refuses in
+    keras-hub backbones: integer ids cast to float, masked softmax.)
+    """
+    import tf2onnx
+
+    _, serve, signature = serving_module(model, specs, io_dtype)
+    _ki.patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        proto, _ = tf2onnx.convert.from_function(
+            serve, input_signature=signature, opset=17
+        )
+    proto = _half_initializers(_erfc_to_erf(proto))
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+
+
+# onnxruntime's input types as numpy dtype names.
+_ONNX_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+    "tensor(bool)": "bool",
+}
+
+
+def run_onnx(path, arrays, specs):
+    """Runs the ONNX graph at `path` with onnxruntime (CPU)."""
+    import onnxruntime
+
+    try:
+        session = onnxruntime.InferenceSession(
+            path, providers=["CPUExecutionProvider"]
+        )
+    except Exception as e:
+        raise ValueError(
+            "onnxruntime cannot load the exported ONNX graph "
+            f"({type(e).__name__}: {e}); export to 'savedmodel' or "
+            "'tflite' instead."
+        ) from e
+    inputs = session.get_inputs()
+    names = [i.name for i in inputs]
+    ins = [_ONNX_TYPES.get(i.type, i.type) for i in inputs]
+    outs = batched(
+        lambda batch: session.run(None, {
+            n: a.astype(d) for n, a, d in zip(names, batch, ins)}),
+        arrays,
+    )
+    return outs, ins, [o.dtype.name for o in outs]
+
+
+def weights_onnx(path):
+    """Bytes of the initializers (the weights) of the ONNX graph at `path`."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(path)
+    return sum(numpy_helper.to_array(t).nbytes
+               for t in proto.graph.initializer)
