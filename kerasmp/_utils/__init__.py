@@ -1,5 +1,5 @@
 """Small helpers every kerasmp package uses: layer paths (`layers.walk`),
 text tables (`table.render_table`), NumPy reads (`arrays`), the devices the
-backend sees (`devices`), layer-name pattern matching (`namematch`) and the
-mixin of the per-layer policies (`marked`). None imports another kerasmp
-package."""
+backend sees (`devices`), layer-name pattern matching (`namematch`), the
+mixin of the per-layer policies (`marked`) and the checks of a path before
+writing to it (`paths`). None imports another kerasmp package."""

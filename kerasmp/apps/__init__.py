@@ -1,7 +1,10 @@
 """kerasmp's applications: the `kerasmp` command and what it runs.
 
-- `cli.py`: the `kerasmp` command (argument parsing and checks; standard
-  library only, so `kerasmp --help` imports no framework),
+- `cli/`: the `kerasmp` command (argument parsing and checks; standard
+  library only, so `kerasmp --help` imports no framework), one module per
+  command,
+- `choices.py`: the choices and defaults the command, the demo and the
+  benchmark share (standard library only),
 - `demo.py`: `kerasmp demo`, float32 vs mixed precision on the 8x8 digits,
 - `bench.py`: `kerasmp bench`, steps/s and memory per policy,
 - `zoo.py`: the models the demo and the benchmark train.

@@ -38,9 +38,9 @@ Dense/EinsumDense layers, `kerasmp.float8`; simulated on CPUs, so slower
 there: its gain needs an H100/H200-class GPU, 1.25-1.4x over bfloat16 as
 reported elsewhere).
 
-Length: the timing protocol and both backends' memory counters are one
-measurement and are read together; the models live in `zoo.py` and the
-command-line parsing in `cli.py`.
+The models are built in `zoo.py`; the presets' sizes, the policies and the
+defaults are in `choices.py`; `kerasmp bench` parses its arguments in
+`cli/bench.py`.
 """
 
 import contextlib
@@ -58,7 +58,9 @@ from kerasmp._utils.devices import jax_memory_stats
 from kerasmp._utils.devices import main_device
 from kerasmp._utils.devices import tf_first_gpu
 from kerasmp._utils.table import render_table
-from kerasmp.apps.zoo import MODELS  # noqa: F401  (the CLI's choices)
+from kerasmp.apps.choices import BENCH_DEFAULT_POLICIES
+from kerasmp.apps.choices import BENCH_POLICIES
+from kerasmp.apps.choices import BENCH_PRESETS
 from kerasmp.apps.zoo import NUM_CLASSES  # noqa: F401  (re-exported)
 from kerasmp.apps.zoo import ModelSpec
 from kerasmp.apps.zoo import build_model
@@ -67,10 +69,6 @@ from kerasmp.callbacks.performance import PerformanceMonitor
 from kerasmp.debug.nonfinite import record_calls
 from kerasmp.float8 import float8_layers
 from kerasmp.policy.policy import handoff_dtype
-
-POLICIES = ("float32", "float32_highest", "mixed_float16", "mixed_bfloat16",
-            "float8_mixed_bfloat16")
-DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
 MEMORY_METHOD = (
     "activation_bytes: sum of the outputs of every leaf layer (nested layers "
@@ -82,40 +80,12 @@ MEMORY_METHOD = (
 )
 
 
+# `BENCH_PRESETS` with each model's sizes as a `ModelSpec`.
 PRESETS = {
-    # CPU smoke run: the whole zoo in well under two minutes on 2 cores.
-    "quick": dict(
-        models=(
-            ModelSpec("mlp", 64, 256, 2, 128),
-            ModelSpec("cnn", 16, 16, 2, 16),
-            ModelSpec("transformer", 8, 64, 1, 32, heads=4, dropout=0.1),
-        ),
-        steps=10, repeats=3,
-    ),
-    # Default: a few minutes on a laptop CPU, seconds on a GPU.
-    "default": dict(
-        models=(
-            ModelSpec("mlp", 256, 1024, 3, 784),
-            ModelSpec("cnn", 64, 32, 3, 32),
-            ModelSpec("transformer", 16, 256, 2, 128, heads=8, dropout=0.1,
-                      vocab=8192),
-        ),
-        steps=20, repeats=5,
-    ),
-    # One GPU: a transformer encoder that keeps the chip busy (64k tokens a
-    # step, ~22 TFLOP per step: about half a second in float32 "highest" on
-    # an H100/H200, well under a tenth in bfloat16).
-    "gpu": dict(
-        models=(ModelSpec("transformer", 128, 1024, 4, 512, heads=16,
-                          vocab=32768),),
-        steps=15, repeats=3,
-    ),
-    # The gpu preset's code path at CPU size (tests of benchmarks/gpu).
-    "smoke": dict(
-        models=(ModelSpec("transformer", 4, 64, 1, 16, heads=4,
-                          dropout=0.1, vocab=128),),
-        steps=3, repeats=2,
-    ),
+    name: dict(preset, models=tuple(
+        ModelSpec(model, **sizes)
+        for model, sizes in preset["models"].items()))
+    for name, preset in BENCH_PRESETS.items()
 }
 
 
@@ -273,7 +243,7 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
 
     Args:
         spec: A `ModelSpec`.
-        policy: One of `POLICIES`.
+        policy: One of `BENCH_POLICIES` (`kerasmp.apps.choices`).
         steps: Steps per timed `fit` call (>= 2; the first is not timed).
         repeats: Timed `fit` calls; the median is reported.
         seed: Seed of the weights and the data.
@@ -376,18 +346,19 @@ def _add_ratios(rows, baseline):
     return rows
 
 
-def run_bench(preset="default", models=None, policies=DEFAULT_POLICIES,
+def run_bench(preset="default", models=None, policies=BENCH_DEFAULT_POLICIES,
               steps=None, repeats=None, batch_size=None, verbose=True,
               run_order=None, on_progress=None):
     """Runs the benchmark and returns its result dict.
 
     Args:
         preset: `"quick"`, `"default"`, `"gpu"` or `"smoke"` (sizes, steps
-            and repeats; see `PRESETS`).
+            and repeats; see `kerasmp.apps.choices.BENCH_PRESETS`).
         models: Names of the models to run, a subset of the preset's.
             Defaults to all of them.
-        policies: Policies to compare, from `POLICIES`, in the order of the
-            table. Ratios are relative to the first one (the baseline).
+        policies: Policies to compare, from `BENCH_POLICIES`, in the order
+            of the table. Ratios are relative to the first one (the
+            baseline).
         steps: Steps per timed call (overrides the preset; >= 2).
         repeats: Timed calls per model and policy (overrides the preset).
         batch_size: Batch size for every model (overrides the preset).
@@ -424,10 +395,10 @@ def run_bench(preset="default", models=None, policies=DEFAULT_POLICIES,
             )
         specs = tuple(s for s in specs if s.name in models)
     policies = tuple(policies)
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in BENCH_POLICIES]
     if bad or not policies or len(set(policies)) != len(policies):
         raise ValueError(f"Invalid `policies` {bad or policies}: distinct "
-                         f"values from {', '.join(POLICIES)}.")
+                         f"values from {', '.join(BENCH_POLICIES)}.")
     run_order = policies if run_order is None else tuple(run_order)
     if sorted(run_order) != sorted(policies):
         raise ValueError(f"Invalid `run_order` {run_order}: it must hold the "

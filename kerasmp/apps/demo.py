@@ -24,9 +24,6 @@ Artifacts, under `--out` (default `./kerasmp-demo`):
 A run first removes the artifacts an earlier demo run left in `--out` (the
 names above, `ARTIFACT_NAMES`; nothing else in the folder), so the folder and
 the list the demo prints hold only what this run wrote.
-
-Length: one end-to-end script (data, two training runs, export, table,
-artifacts) that reads top to bottom; splitting it would scatter one story.
 """
 
 import csv
@@ -43,12 +40,13 @@ import keras
 import numpy as np
 
 from kerasmp._utils.devices import main_device
+from kerasmp._utils.paths import check_output_folder
 from kerasmp._utils.table import render_table
+from kerasmp.apps.choices import DEMO_DEFAULT_EPOCHS
+from kerasmp.apps.choices import DEMO_POLICIES
+from kerasmp.apps.choices import DEMO_QUICK_EPOCHS
 from kerasmp.apps.zoo import digits_cnn
 
-POLICIES = ("mixed_float16", "mixed_bfloat16")
-DEFAULT_EPOCHS = 12
-QUICK_EPOCHS = 2
 BATCH_SIZE = 32
 LEARNING_RATE = 3e-3
 GROWTH_STEPS = 100
@@ -134,10 +132,10 @@ class _ProgressBar(keras.callbacks.Callback):
 
 
 def _check_args(policy, epochs, seed, quick, batch_size):
-    if not isinstance(policy, str) or policy not in POLICIES:
+    if not isinstance(policy, str) or policy not in DEMO_POLICIES:
         raise ValueError(
             f"Invalid `policy`: {policy!r}. Allowed values: "
-            f"{', '.join(POLICIES)}."
+            f"{', '.join(DEMO_POLICIES)}."
         )
     if epochs is not None and (
         isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
@@ -168,8 +166,8 @@ def _train(name, policy, data, epochs, seed, batch_size, out, verbose):
         `(model, run, history, nonfinite_monitor)`: `run` is the run's dict
         in the summary; the monitor is None for the float32 run.
     """
-    from kerasmp.callbacks.monitors import LossScaleMonitor
-    from kerasmp.callbacks.monitors import NonFiniteMonitor
+    from kerasmp.callbacks.loss_scale import LossScaleMonitor
+    from kerasmp.callbacks.nonfinite import NonFiniteMonitor
     from kerasmp.callbacks.performance import PerformanceMonitor
     from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
     from kerasmp.policy.policy import policy_scope
@@ -285,7 +283,7 @@ PARITY_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
 
 def _export(model, out, dtype, x_test, y_test):
     """Exports `model` in half precision; returns a list of dicts."""
-    from kerasmp.export.api import export
+    from kerasmp.export import export
 
     short = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
     targets = [("keras", os.path.join(out, f"model_{short}.keras"))]
@@ -376,18 +374,11 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     from kerasmp.policy.policy import Policy
 
     _check_args(policy, epochs, seed, quick, batch_size)
-    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
-        raise TypeError(f"`out` must be a folder path. Received: {out!r}")
-    out = os.fspath(out)
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        # Like `kerasmp export`: a typo in the path must not create folders.
-        raise ValueError(f"`out` {out!r}: its folder {parent!r} does not "
-                         "exist; create it first")
+    out = check_output_folder(out, "out")
     os.makedirs(out, exist_ok=True)
     _remove_earlier_artifacts(out)
     if epochs is None:
-        epochs = QUICK_EPOCHS if quick else DEFAULT_EPOCHS
+        epochs = DEMO_QUICK_EPOCHS if quick else DEMO_DEFAULT_EPOCHS
     data = load_digits(seed=0)
     (x, _), (x_test, y_test) = data
     say = print if verbose else (lambda *a, **k: None)
@@ -555,21 +546,4 @@ def format_summary(summary):
         if path:
             lines.append(f"  {name:<18} {path}")
     return "\n".join(lines)
-
-
-def run(args):
-    """Runs `kerasmp demo` from parsed arguments; returns the exit code.
-
-    The arguments are defined (and checked) by `kerasmp.apps.cli`.
-    """
-    try:
-        summary = run_demo(out=args.out, policy=args.policy,
-                           epochs=args.epochs, seed=args.seed,
-                           quick=args.quick, verbose=not args.json)
-    except (ValueError, TypeError) as e:
-        print(f"kerasmp demo: error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    return 0
 

@@ -15,7 +15,8 @@ import dataclasses
 import keras
 import numpy as np
 
-MODELS = ("mlp", "cnn", "transformer")
+from kerasmp.apps.choices import BENCH_MODELS
+
 NUM_CLASSES = 10
 
 
@@ -149,7 +150,7 @@ def build_model(spec):
     else:
         raise ValueError(
             f"Invalid model name {spec.name!r}. Allowed values: "
-            f"{', '.join(MODELS)}."
+            f"{', '.join(BENCH_MODELS)}."
         )
     x = layers.Dense(NUM_CLASSES, name="logits")(x)
     outputs = layers.Activation("softmax", name="softmax")(x)

@@ -4,16 +4,18 @@ importing Keras.
 The `kerasmp` command calls `check_target` (format, dtype, output suffix and
 path, every package the format needs) before it imports TensorFlow or loads
 a model, and `kerasmp.export.export` calls the same function first;
-`kerasmp.export.formats.REGISTRY` adds each format's writer and reader to
-these specs, and the docs' format table is generated from that registry. One
-list of formats for all of them.
+`kerasmp.export.registry.REGISTRY` adds each format's writer, reader and
+weight counter to these specs, and the docs' format table is generated from
+that registry. One list of formats for all of them.
 """
 
 import dataclasses
 import importlib.util
 import os
 
-from kerasmp.export import publish as _publish
+import kerasmp.export.publish as _publish
+from kerasmp._utils.paths import as_path
+from kerasmp._utils.paths import check_output
 
 HALF_DTYPES = ("float16", "bfloat16")
 EXPORT_DTYPES = HALF_DTYPES + ("float32",)
@@ -104,17 +106,19 @@ def missing_packages(format):
 
 
 def check_target(path, format="savedmodel", overwrite=False, dtype=None,
-                 backend=None, io_dtype=None):
+                 backend=None, io_dtype=None, source=None):
     """Checks an export's arguments and output path before any model work.
 
     Checks, in this order: `format` is one of `FORMATS`; `dtype` and
     `io_dtype`, when given, are allowed for it; every package it needs is
     installed (the error names them and the `pip install kerasmp[...]`
-    extra); `backend`, when given, can write it; `path` ends in the
-    format's suffix (`.keras`, `.tflite`, `.onnx`; a SavedModel is a
-    folder), is not `.`, `/`, the home folder or a folder holding the
-    working directory (publishing replaces the path), and does not exist
-    unless `overwrite=True`.
+    extra); `path` ends in the format's suffix (`.keras`, `.tflite`,
+    `.onnx`), or, for a SavedModel (a folder), in none of them; `backend`,
+    when given, can write it; `path` is not `.`, `/`, the home folder or a
+    folder holding the working directory (publishing replaces the path), nor
+    `source`; it does not exist unless `overwrite=True`, and an existing
+    `path` is of the kind written (a folder for a SavedModel, else a file);
+    the folder it goes in exists and is writable.
 
     Args:
         path: The output path (`str` or `os.PathLike`).
@@ -123,16 +127,25 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
         dtype: Optional; `"float16"`, `"bfloat16"` or `"float32"`.
         backend: Optional; the Keras backend that will write it.
         io_dtype: Optional; `"float32"` or `"float16"`.
+        source: Optional; the path of the model file being exported, which
+            `path` must not be.
 
     Returns:
         `path` as a `str`.
 
     Raises:
         ValueError: naming the argument (`format`, `dtype`, `io_dtype`,
-            `path`) and the allowed values.
+            `path`) and the allowed values, or what is wrong with `path`
+            (a suffix, the input model, a folder where a file goes or the
+            reverse, a missing or unwritable folder).
         TypeError: `path` or `overwrite` of the wrong type.
         FileExistsError: `path` exists and `overwrite` is False.
         ImportError: a package the format needs is missing.
+
+    Example:
+
+    >>> check_target("served.keras", format="keras", dtype="float16")
+    'served.keras'
     """
     _check_choice(format, FORMATS, "format")
     spec = SPECS[format]
@@ -152,16 +165,9 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
             f"format={format!r} needs {', '.join(missing)}, which is not "
             f"installed: {hint}."
         )
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError(f"`path` must be a file path. Received: {path!r}")
-    path = os.fspath(path)
-    if isinstance(path, bytes):
-        raise TypeError(f"`path` must be a str path. Received: {path!r}")
-    if spec.suffix and not path.endswith(spec.suffix):
-        raise ValueError(
-            f"Invalid `path` for format={format!r}: {path!r} must end in "
-            f"{spec.suffix!r}."
-        )
+    folder = spec.suffix is None
+    path = as_path(path, kind="folder" if folder else "file")
+    _check_suffix(path, format)
     if spec.needs_tensorflow and backend not in (None, "tensorflow"):
         raise ValueError(
             f"format={format!r} needs the TensorFlow backend, but this "
@@ -170,13 +176,27 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
             "or 'tflite'."
         )
     _publish.refuse_dangerous(path)
-    if not isinstance(overwrite, bool):
-        raise TypeError(
-            f"`overwrite` must be True or False. Received: {overwrite!r}"
+    if (source is not None and os.path.exists(path)
+            and os.path.exists(source) and os.path.samefile(path, source)):
+        raise ValueError(f"`path` {path!r} is the input model; choose "
+                         "another output path.")
+    return check_output(path, overwrite, folder=folder)
+
+
+def _check_suffix(path, format):
+    """`path` ends in `format`'s suffix, or a folder's in no format's."""
+    suffix = SPECS[format].suffix
+    if suffix and not path.endswith(suffix):
+        raise ValueError(
+            f"Invalid `path` for format={format!r}: {path!r} must end in "
+            f"{suffix!r}."
         )
-    if os.path.lexists(path) and not overwrite:
-        raise FileExistsError(
-            f"`path` {path!r} already exists; pass overwrite=True to "
-            "replace it."
-        )
-    return path
+    if suffix:
+        return
+    for other in SPECS.values():
+        if other.suffix and path.endswith(other.suffix):
+            raise ValueError(
+                f"`path` {path!r} ends in {other.suffix!r}, but "
+                f"format={format!r} writes a folder: name the folder, or "
+                f"pass format={other.name!r}."
+            )

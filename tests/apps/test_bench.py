@@ -20,6 +20,8 @@ from _helpers import slow_on
 
 from kerasmp.apps import bench
 from kerasmp.apps import cli
+from kerasmp.apps.choices import BENCH_DEFAULT_POLICIES
+from kerasmp.apps.choices import BENCH_MODELS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPUTE = {"float32": "float32", "mixed_float16": "float16",
@@ -48,7 +50,7 @@ def test_quick_json_has_a_row_per_model_and_policy(tmp_path, capsys):
     assert result["preset"] == "quick" and result["baseline"] == "float32"
     pairs = [(r["model"], r["policy"]) for r in result["rows"]]
     assert sorted(pairs) == sorted(
-        (m, p) for m in bench.MODELS for p in bench.DEFAULT_POLICIES)
+        (m, p) for m in BENCH_MODELS for p in BENCH_DEFAULT_POLICIES)
     for r in result["rows"]:
         assert r["compute_dtype"] == COMPUTE[r["policy"]]
         assert len(r["steps_per_s_repeats"]) == r["repeats"] == 3
@@ -73,7 +75,7 @@ def test_quick_json_has_a_row_per_model_and_policy(tmp_path, capsys):
     for policy in ("mixed_float16", "mixed_bfloat16"):
         assert rows["mlp", policy]["activation_bytes"] == \
             _mlp_activation_bytes(spec, half=True)
-    for model in bench.MODELS:
+    for model in BENCH_MODELS:
         base = rows[model, "float32"]
         assert base["speedup_vs_baseline"] == 1.0
         for policy in ("mixed_float16", "mixed_bfloat16"):

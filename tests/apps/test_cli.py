@@ -7,7 +7,6 @@ imported: a small driver reports which heavy modules the command imported,
 so those runs stay fast (a fraction of a second each).
 """
 
-import argparse
 import os
 import re
 import subprocess
@@ -21,6 +20,11 @@ import pytest
 
 import kerasmp
 from kerasmp.apps import cli
+from kerasmp.apps.choices import BENCH_POLICIES
+from kerasmp.apps.choices import BENCH_PRESETS
+from kerasmp.apps.choices import DEMO_POLICIES
+from kerasmp.apps.cli.loading import unsafe_contents
+from kerasmp.export import FORMATS
 
 ROOT = Path(kerasmp.__file__).resolve().parents[1]
 HEAVY = ("keras", "tensorflow", "jax")
@@ -126,7 +130,7 @@ def test_help_and_argument_errors_import_no_framework(args, code, tmp_path):
 def test_help_names_every_export_format_and_the_parity_gate():
     top = cli.build_parser().format_help()
     assert "onnx" in top and "tflite" in top and "savedmodel" in top
-    export_help = " ".join(cli._subparsers(cli.build_parser())["export"]
+    export_help = " ".join(cli.build_parser().commands["export"]
                            .format_help().split())
     assert "{keras,savedmodel,tflite,onnx}" in export_help
     assert "leaves NOTHING at OUT" in export_help
@@ -191,7 +195,7 @@ def _user_error_cases(d):
         (["export", d / "notes.txt", out], "notes.txt"),
         (["export", m, d / "existing_out"], "--overwrite"),
         (["export", m, out, "--format", "keras"], "must end in '.keras'"),
-        (["export", m, d / "a.keras"], "--format savedmodel"),
+        (["export", m, d / "a.keras"], "--format 'savedmodel'"),
         (["export", m, d / "m.onnx", "--format", "tflite"], "'.tflite'"),
         (["export", m, m, "--format", "keras", "--overwrite"],
          "is the input model"),
@@ -338,7 +342,7 @@ def test_unsafe_contents_finds_modules_and_lambdas():
                  "class_name": "__lambda__", "config": {}}}},
         ],
         "dtype": {"module": "kerasmp.policy", "class_name": "Policy"}}}
-    assert cli.unsafe_contents(config) == [("module", "mypkg.layers"),
+    assert unsafe_contents(config) == [("module", "mypkg.layers"),
                                            ("lambda", "f")]
 
 
@@ -359,12 +363,12 @@ def test_readme_cli_reference_is_generated_from_the_parser():
         "python -c 'from kerasmp.apps import cli; "
         "print(cli.markdown_reference())'")
     parser = cli.build_parser()
-    for name, sub in cli._subparsers(parser).items():
+    for name, sub in parser.commands.items():
         for action in sub._actions:
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}`" in block, (name, flag)
-    for fmt in cli.EXPORT_FORMATS:
+    for fmt in FORMATS:
         assert fmt in block
     # The two commands .ci/run reads stay as they are.
     assert ("<!-- ci:demo -->\n```bash\npip install -e \".[plot]\" && "
@@ -373,31 +377,39 @@ def test_readme_cli_reference_is_generated_from_the_parser():
             "bash tests/run.sh -q\n```") in text
 
 
-def test_parser_choices_match_the_modules():
-    from kerasmp import export
+def test_help_lists_the_choices_demo_and_bench_accept():
     from kerasmp.apps import bench
     from kerasmp.apps import demo
 
-    assert cli.DEMO_POLICIES == demo.POLICIES
-    assert cli.DEMO_DEFAULT_EPOCHS == demo.DEFAULT_EPOCHS
-    assert cli.DEMO_QUICK_EPOCHS == demo.QUICK_EPOCHS
-    assert cli.EXPORT_FORMATS == export.FORMATS
-    assert cli.EXPORT_DTYPES == export.EXPORT_DTYPES
-    assert cli.BENCH_MODELS == bench.MODELS
-    assert cli.BENCH_POLICIES == bench.POLICIES
-    assert cli.BENCH_DEFAULT_POLICIES == bench.DEFAULT_POLICIES
-    assert cli.BENCH_PRESET_MODELS == {
-        name: tuple(s.name for s in p["models"])
-        for name, p in bench.PRESETS.items()}
-    # Every option the modules' own parsers had is still offered.
-    subs = cli._subparsers(cli.build_parser())
-    for name, module in (("export", export), ("bench", bench)):
-        if not hasattr(module, "add_arguments"):
-            continue
-        theirs = module.add_arguments(argparse.ArgumentParser())
-        ours = {f for a in subs[name]._actions for f in a.option_strings}
-        for action in theirs._actions:
-            assert set(action.option_strings) <= ours, (name, action)
+    subs = cli.build_parser().commands
+    demo_help = " ".join(subs["demo"].format_help().split())
+    bench_help = " ".join(subs["bench"].format_help().split())
+    assert "{mixed_float16,mixed_bfloat16}" in demo_help
+    assert "(default 12, 2 with --quick)" in demo_help
+    assert "{quick,default,gpu,smoke}" in bench_help
+    # --models and --policies show a metavar; the reference lists them.
+    reference = cli.markdown_reference()
+    assert ("`--policies`: policies to compare; ratios are relative to the "
+            "first (default: float32 mixed_float16 mixed_bfloat16) (one of: "
+            "float32, float32_highest, mixed_float16, mixed_bfloat16, "
+            "float8_mixed_bfloat16)") in reference
+    assert "(one of: mlp, cnn, transformer)" in reference
+    # What --help offers is what the modules accept, and nothing else.
+    for policy in DEMO_POLICIES:
+        demo._check_args(policy, None, 0, False, 32)
+    with pytest.raises(ValueError, match="policy"):
+        demo._check_args("float16", None, 0, False, 32)
+    with pytest.raises(ValueError, match="policies"):
+        bench.run_bench("quick", policies=["float16"])
+    for preset, spec in BENCH_PRESETS.items():
+        models = tuple(s.name for s in bench.PRESETS[preset]["models"])
+        assert models == tuple(spec["models"])
+        args = cli.build_parser().parse_args(
+            ["bench", "--preset", preset, "--models", *models,
+             "--policies", *BENCH_POLICIES])
+        assert args.models == list(models)
+        with pytest.raises(ValueError, match="`models`"):
+            bench.run_bench(preset, models=["resnet"])
 
 
 # ---------------------------------------------------------------- run.sh

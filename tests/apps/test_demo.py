@@ -20,6 +20,8 @@ from _helpers import slow_on
 
 from kerasmp.apps import cli
 from kerasmp.apps import demo
+from kerasmp.apps.choices import DEMO_DEFAULT_EPOCHS
+from kerasmp.apps.choices import DEMO_QUICK_EPOCHS
 from kerasmp.data import load_digits
 
 SUMMARY_KEYS = {
@@ -70,7 +72,7 @@ def test_readme_command_mixed_matches_float32(tmp_path, monkeypatch, capsys):
     assert RUN_KEYS <= set(f32) and RUN_KEYS <= set(mp)
     assert summary["backend"] == keras.backend.backend()
     assert summary["config"]["policy"] == "mixed_float16"
-    assert summary["config"]["epochs"] == demo.DEFAULT_EPOCHS
+    assert summary["config"]["epochs"] == DEMO_DEFAULT_EPOCHS
     assert summary["dataset"]["train"] + summary["dataset"]["test"] == 1797
     assert f32["compute_dtype"] == "float32"
     assert mp["compute_dtype"] == "float16" and mp["loss_scaling"]
@@ -170,7 +172,7 @@ def test_quick_bfloat16_has_no_loss_scale(tmp_path, capsys):
     mp = summary["runs"]["mixed"]
     config = summary["config"]
     assert (config["policy"], config["epochs"], config["seed"],
-            config["quick"]) == ("mixed_bfloat16", demo.QUICK_EPOCHS, 3, True)
+            config["quick"]) == ("mixed_bfloat16", DEMO_QUICK_EPOCHS, 3, True)
     assert mp["compute_dtype"] == "bfloat16"
     assert mp["loss_scaling"] is False
     assert mp["final_loss_scale"] is None and mp["skipped_steps"] is None
