@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 # Public name -> (module, attribute or None for the module itself).
 _LAZY = {
     "callbacks": ("kerasmp.callbacks", None),
-    "CheckReport": ("kerasmp.debug.hazards", "CheckReport"),
+    "CheckReport": ("kerasmp.debug.findings", "CheckReport"),
     "check": ("kerasmp.debug.hazards", "check"),
     "debug": ("kerasmp.debug", None),
     "export": ("kerasmp.export", None),
@@ -38,7 +38,7 @@ _LAZY = {
     "Float8Monitor": ("kerasmp.callbacks.float8", "Float8Monitor"),
     "Float8Rule": ("kerasmp.float8", "Float8Rule"),
     "plot_loss_scale": ("kerasmp.plotting", "plot_loss_scale"),
-    "plot_float8": ("kerasmp.float8_plotting", "plot_float8"),
+    "plot_float8": ("kerasmp.plotting", "plot_float8"),
     "DEFAULT_FLOAT32_LAYERS": ("kerasmp.policy", "DEFAULT_FLOAT32_LAYERS"),
     "Float32Override": ("kerasmp.policy", "Float32Override"),
     "Policy": ("kerasmp.policy", "Policy"),

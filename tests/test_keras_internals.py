@@ -531,14 +531,7 @@ SEAM = "_keras_internals.py"
 
 # Private attributes of objects that are not Keras objects
 # (docs/architecture.md, "Documented exceptions").
-NOT_KERAS = {
-    ("apps/cli.py", "_actions"),  # argparse.ArgumentParser
-    ("apps/cli.py", "_choices_actions"),  # argparse subparsers action
-    ("apps/cli.py", "_SubParsersAction"),  # argparse class
-    ("apps/cli.py", "_modules"),  # kerasmp's own argparse.Namespace fields
-    ("apps/cli.py", "_sample"),
-    ("apps/cli.py", "_quiet"),
-}
+NOT_KERAS = set()  # (module, attribute) of non-Keras objects, if ever
 
 
 def _kerasmp_modules():

@@ -35,13 +35,13 @@ The math is in `kerasmp.float8.telemetry`.
 """
 
 import math
-import warnings
 import weakref
 
 import keras
-import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._utils.arrays import to_numpy
+from kerasmp.callbacks.shared import warn
 from kerasmp.float8 import jax_fit_state as _jax_fit_state
 from kerasmp.float8 import probe as _float8_probe
 from kerasmp.float8 import telemetry as _tm
@@ -49,13 +49,6 @@ from kerasmp.float8.layers import fall_back
 from kerasmp.float8.layers import float8_layers
 
 ACTIONS = ("log", "warn", "fallback", "stop")
-
-
-def _value(x):
-    x = getattr(x, "value", x)  # a Keras variable -> its backend value
-    if hasattr(x, "numpy"):
-        return np.asarray(x.numpy())  # TensorFlow
-    return np.asarray(x)
 
 
 def _check_int(argname, value, minimum):
@@ -96,17 +89,17 @@ def _reader(model, variables):
         import jax
 
         where = _jax_fit_state.locate(model, variables)
-        return lambda: [np.asarray(a) for a in jax.device_get(
+        return lambda: [to_numpy(a) for a in jax.device_get(
             _jax_fit_state.values(model, variables, where))]
     if backend != "tensorflow":
-        return lambda: [_value(v) for v in variables]
+        return lambda: [to_numpy(v) for v in variables]
     import tensorflow as tf
 
     key = tuple(id(v) for v in variables)
     cached = _READERS.setdefault(model, {})
     if key not in cached:
         read = tf.function(lambda: [v.value for v in variables])
-        cached[key] = lambda: [np.asarray(t.numpy()) for t in read()]
+        cached[key] = lambda: [to_numpy(t) for t in read()]
     return cached[key]
 
 
@@ -361,6 +354,6 @@ class Float8Monitor(keras.callbacks.Callback):
         event["message"] = _tm.message(event)
         self.events.append(event)
         if self.action != "log":
-            warnings.warn(event["message"], stacklevel=3)
+            warn(event["message"])
         if self.action == "stop":
             self.model.stop_training = True

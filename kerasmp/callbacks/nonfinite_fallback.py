@@ -9,7 +9,7 @@ parts that read or write the model.
 - `reset_loss_scale` restarts the optimizer's loss scale after a fallback.
 
 The rules that decide when these run are in
-`kerasmp/callbacks/nonfinite_rules.py`.
+`kerasmp/callbacks/nonfinite_events.py`.
 """
 
 import dataclasses
@@ -19,11 +19,13 @@ import keras
 from keras import ops
 
 from kerasmp import _keras_internals as _ki
-from kerasmp.callbacks import nonfinite_rules as _nonfinite
+from kerasmp._utils.arrays import to_numpy
+from kerasmp.callbacks.nonfinite_events import State
+from kerasmp.callbacks.nonfinite_events import forget_run
 from kerasmp.debug.nonfinite import find_nonfinite
-from kerasmp.policy import policy as _policy
+from kerasmp.policy import Float32Override
+from kerasmp.policy import Policy
 from kerasmp.policy.report import FALLBACK_RULE
-from kerasmp.train_step import steps as _train_step
 
 # ----------------------------------------------------------------- locating
 
@@ -73,7 +75,7 @@ def first_nonfinite_weight(model):
     if not weights:
         return None
     flags = ops.stack([ops.all(ops.isfinite(v)) for v in weights])
-    flags = _train_step.read(flags)
+    flags = to_numpy(flags)
     if flags.all():
         return None
     return weights[int((~flags).argmax())].path
@@ -96,7 +98,7 @@ class Fallback:
     refusal: str = None
     layer: str = None
     reset_to: float = None
-    state: _nonfinite.State = None
+    state: State = None
 
 
 def fall_back(event, report, state, rules):
@@ -146,7 +148,7 @@ def fall_back(event, report, state, rules):
         start_scale = state.run.start_scale if state.run else None
         reset_to = float(start_scale or state.scale)
     return Fallback(
-        layer=path, reset_to=reset_to, state=_nonfinite.forget_run(state)
+        layer=path, reset_to=reset_to, state=forget_run(state)
     )
 
 
@@ -154,10 +156,10 @@ def _fallback_policy(layer):
     """float32 for `layer`, marked as the fallback's when a kerasmp policy
     governed it (so `dtype_report` says why the layer is float32)."""
     stored = _ki.stored_dtype_policy(layer)
-    if isinstance(stored, _policy.Float32Override):
+    if isinstance(stored, Float32Override):
         stored = stored.policy
-    if isinstance(stored, _policy.Policy):
-        return _policy.Float32Override(stored, FALLBACK_RULE)
+    if isinstance(stored, Policy):
+        return Float32Override(stored, FALLBACK_RULE)
     return "float32"
 
 

@@ -14,12 +14,12 @@ import resource
 import sys
 import threading
 import time
-import warnings
 
 import keras
 
 from kerasmp._utils.devices import jax_memory_stats
 from kerasmp._utils.devices import tf_first_gpu
+from kerasmp.callbacks.shared import warn
 
 MIB = 2**20
 
@@ -123,12 +123,11 @@ class PerformanceMonitor(keras.callbacks.Callback):
             self.model
         )
         if self.batch_size is None and self._fit_batch is None:
-            warnings.warn(
+            warn(
                 "PerformanceMonitor: the batch size of this fit's data is "
                 "not known (a dataset without a static batch dimension, or a "
                 "generator); `samples_per_second` will not be logged. Pass "
-                "PerformanceMonitor(batch_size=...) to log it.",
-                stacklevel=2,
+                "PerformanceMonitor(batch_size=...) to log it."
             )
         backend = keras.backend.backend()
         self._tf_device = None

@@ -11,6 +11,7 @@ import keras
 from keras import ops
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._utils.arrays import to_numpy
 
 
 def fmt(value):
@@ -22,7 +23,7 @@ def fmt(value):
 
 
 def snapshot(variables):
-    return [(v, ops.convert_to_numpy(v.value)) for v in variables]
+    return [(v, to_numpy(v)) for v in variables]
 
 
 def restore(snapshot):
@@ -131,4 +132,4 @@ def gradients(model, x, y, sample_weight, loss, scale, training):
             f"backends only (current: {backend!r}); call it without `y`."
         )
     value, grads = fn(model, x, y, sample_weight, loss, scale, training)
-    return float(ops.convert_to_numpy(value)), grads
+    return float(to_numpy(value)), grads

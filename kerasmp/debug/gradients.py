@@ -13,9 +13,9 @@ Nothing is trained: the weights and the optimizer are never touched, and the
 model's other state (batch-norm statistics, seed generators, metrics) is
 restored after each pass.
 
-Length: `GradientReport` (its table, recommendation and plot data) and
-the per-scale gradient passes on both backends belong to one measurement;
-the shared batch loss/gradient code lives in `kerasmp.debug.batch`.
+`kerasmp.plotting.plot_gradient_report` draws a report; the batch
+loss/gradient code it shares with `find_nonfinite` is in
+`kerasmp.debug.batch`.
 """
 
 import contextlib
@@ -27,10 +27,17 @@ import keras
 import numpy as np
 from keras import ops
 
+from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
-from kerasmp.debug import batch as _bg
-from kerasmp.policy.policy import stored_policy
+from kerasmp.debug.batch import call_kwargs
+from kerasmp.debug.batch import check_loss
+from kerasmp.debug.batch import fmt
+from kerasmp.debug.batch import gradients
+from kerasmp.debug.batch import gradients_jax
+from kerasmp.debug.batch import restore
+from kerasmp.debug.batch import snapshot
+from kerasmp.policy import stored_policy
 
 DEFAULT_SCALES = tuple(2.0**k for k in range(25))
 """The candidate scales `gradient_report` tries by default: 2^0 ... 2^24."""
@@ -209,8 +216,8 @@ class GradientReport:
                 else f"{r.rel_error:.3g}",
             ))
         lines = [f"gradient_report: policy {self.policy}, loss "
-                 f"{_bg.fmt(self.loss)} (float32: "
-                 f"{_bg.fmt(self.loss_float32)})"]
+                 f"{fmt(self.loss)} (float32: "
+                 f"{fmt(self.loss_float32)})"]
         lines.append(render_table(
             ("scale", "log2", "overflow", "underflow", "rel_error"), table,
             align=">",
@@ -334,7 +341,7 @@ def _dense(g):
         import tensorflow as tf
 
         g = tf.convert_to_tensor(g)
-    return np.asarray(ops.convert_to_numpy(g))
+    return to_numpy(g)
 
 
 class _Passes:
@@ -362,7 +369,7 @@ class _Passes:
             def grads(values, x, y, sample_weight, scale):
                 mapping = list(zip(variables, values))
                 with keras.StatelessScope(state_mapping=mapping):
-                    return _bg.gradients_jax(
+                    return gradients_jax(
                         model, x, y, sample_weight, loss, scale, training
                     )
 
@@ -370,21 +377,21 @@ class _Passes:
             self.variables = variables
 
     def __call__(self, scale):
-        _bg.restore(self.state)
+        restore(self.state)
         try:
             if self.jitted is not None:
                 values = [v.value for v in self.variables]
                 value, grads = self.jitted(
                     values, *self.args, ops.convert_to_tensor(scale, "float32")
                 )
-                value = float(ops.convert_to_numpy(value))
+                value = float(to_numpy(value))
             else:
-                _bg.check_loss(self.model, self.loss)
-                value, grads = _bg.gradients(
+                check_loss(self.model, self.loss)
+                value, grads = gradients(
                     self.model, *self.args, self.loss, scale, self.training
                 )
         finally:
-            _bg.restore(self.state)
+            restore(self.state)
         return value, [_dense(g) for g in grads]
 
 
@@ -494,7 +501,7 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
         )
     if y is None:
         raise ValueError("gradient_report: `y` (the targets) is required.")
-    _bg.check_loss(model, loss)
+    check_loss(model, loss)
     backend = keras.backend.backend()
     if backend not in ("tensorflow", "jax"):
         raise NotImplementedError(
@@ -503,12 +510,12 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
         )
 
     if not model.built:
-        state = _bg.snapshot(list(model.variables))
+        state = snapshot(list(model.variables))
         try:
-            model(x, **_bg.call_kwargs(model, False))
+            model(x, **call_kwargs(model, False))
         finally:
-            _bg.restore(state)
-    state = _bg.snapshot(
+            restore(state)
+    state = snapshot(
         list(model.non_trainable_variables) + list(model.metrics_variables)
     )
     variables = list(model.trainable_variables)
@@ -561,88 +568,3 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
         rows, per_variable, recommended, first_overflow, float(margin),
         loss_mixed, loss32, model.dtype_policy.name,
     )
-
-
-# --------------------------------------------------------------------------
-# Plot
-# --------------------------------------------------------------------------
-
-
-def plot_gradient_report(report, path, title="Gradients vs loss scale"):
-    """Writes a PNG of underflow and relative error against the loss scale.
-
-    The scale is on a log2 axis; the underflow fraction is drawn on the left
-    axis, the relative error (log) on the right. Overflowing scales are
-    shaded and marked, and the recommended scale is a vertical line.
-
-    Args:
-        report: a `GradientReport`.
-        path: where to write the PNG.
-        title: the plot's title.
-
-    Returns:
-        The `matplotlib.figure.Figure` (already saved to `path`).
-
-    Example:
-
-    ```python
-    report = kerasmp.debug.gradient_report(model, x, y)
-    kerasmp.debug.plot_gradient_report(report, "gradients.png")
-    ```
-    """
-    if not isinstance(report, GradientReport):
-        raise TypeError(
-            "plot_gradient_report: `report` must be a GradientReport (from "
-            f"gradient_report); received {type(report).__name__}."
-        )
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError(
-            "plot_gradient_report needs matplotlib, which is not installed. "
-            "Install it with `pip install kerasmp[plot]` (or `pip install "
-            "matplotlib`)."
-        ) from e
-    scales = [r.scale for r in report.rows]
-    figure = Figure(figsize=(8, 4.5), dpi=100)
-    ax = figure.add_subplot(1, 1, 1)
-    ax.set_xscale("log", base=2)
-    ax.plot(scales, [100 * r.underflow for r in report.rows], "o-",
-            color="tab:blue", label="underflow (% of gradient elements)")
-    ax.set_ylabel("underflow (%)", color="tab:blue")
-    ax.set_ylim(-2, 102)
-    ax.set_xlabel("loss scale (log2)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    err = figure.add_axes(ax.get_position(), sharex=ax, frameon=False)
-    err.yaxis.tick_right()
-    err.yaxis.set_label_position("right")
-    finite = [(r.scale, r.rel_error) for r in report.rows
-              if not r.overflow and math.isfinite(r.rel_error)
-              and r.rel_error > 0]
-    if finite:
-        err.plot(*zip(*finite), "s-", color="tab:green",
-                 label="relative error vs float32")
-        err.set_yscale("log")
-    err.set_ylabel("relative error vs float32 (log)", color="tab:green")
-    handles = ax.get_legend_handles_labels()
-    more = err.get_legend_handles_labels()
-    over = [r.scale for r in report.rows if r.overflow]
-    if over:
-        ax.axvspan(min(over) / 2**0.5, max(scales) * 2**0.5, color="tab:red",
-                   alpha=0.1)
-        h = ax.scatter(over, [100] * len(over), marker="x", color="tab:red",
-                       label="overflow (inf/NaN gradient)", zorder=3)
-        handles[0].append(h)
-        handles[1].append(h.get_label())
-    if report.recommended_scale is not None:
-        h = ax.axvline(report.recommended_scale, color="black",
-                       linestyle="--",
-                       label=f"recommended: 2^"
-                       f"{_log2(report.recommended_scale)}")
-        handles[0].append(h)
-        handles[1].append(h.get_label())
-    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper right",
-              fontsize="small")
-    figure.savefig(path)
-    return figure

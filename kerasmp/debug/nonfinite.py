@@ -7,12 +7,8 @@ generators, metrics) is restored afterwards, so it is safe to call in the
 middle of training. An input beyond float16's range is named as the first
 cause.
 
-`gradient_report(model, x, y)` (`kerasmp.debug.gradients`)
-measures gradient underflow and overflow at each candidate loss scale against
-a float32 pass and recommends a static scale; `plot_gradient_report` draws it.
-
-Length: `find_nonfinite` and its report (table and text); the batch
-loss/gradient code lives in `kerasmp.debug.batch`.
+The batch loss/gradient code it shares with `gradient_report` is in
+`kerasmp.debug.batch`.
 """
 
 import contextlib
@@ -21,26 +17,28 @@ import math
 import numbers
 
 import keras
+import ml_dtypes
 import numpy as np
-from keras import ops
 
+from kerasmp._utils.arrays import FLOAT16_MAX
+from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
-from kerasmp.debug import batch as _bg
-from kerasmp.debug.gradients import GradientReport  # noqa: F401
-from kerasmp.debug.gradients import gradient_report  # noqa: F401
-from kerasmp.debug.gradients import plot_gradient_report  # noqa: F401
+from kerasmp.debug.batch import call_kwargs
+from kerasmp.debug.batch import fmt
+from kerasmp.debug.batch import gradients
+from kerasmp.debug.batch import restore
+from kerasmp.debug.batch import snapshot
 
-_FLOAT_MAX = {
-    "float16": 65504.0,
-    "bfloat16": 3.3895313892515355e38,
-    "float32": 3.4028234663852886e38,
-    "float64": 1.7976931348623157e308,
-}
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _float_max(dtype):
-    return _FLOAT_MAX.get(dtype)
+    """The largest finite value of `dtype` (a standardized name), or None
+    for a dtype that is not one of `_FLOAT_DTYPES`."""
+    if dtype not in _FLOAT_DTYPES:
+        return None
+    return float(ml_dtypes.finfo(dtype).max)
 
 
 @dataclasses.dataclass
@@ -116,7 +114,7 @@ class NonFiniteReport:
             name, max_abs = self.inputs_out_of_range[0]
             return (
                 f"model input {name} holds values up to |x| = "
-                f"{_bg.fmt(max_abs)}, beyond float16's max 65504: it becomes "
+                f"{fmt(max_abs)}, beyond float16's max 65504: it becomes "
                 "inf when a float16 layer casts it (scale or normalize the "
                 "inputs)"
             )
@@ -150,12 +148,12 @@ class NonFiniteReport:
                 r.path,
                 r.class_name,
                 r.dtype,
-                _bg.fmt(r.max_abs),
-                "x" + _bg.fmt(r.headroom) if r.finite else "none",
+                fmt(r.max_abs),
+                "x" + fmt(r.headroom) if r.finite else "none",
             ]
             if with_grads:
                 line.append(
-                    "" if r.grad_max_abs is None else _bg.fmt(r.grad_max_abs)
+                    "" if r.grad_max_abs is None else fmt(r.grad_max_abs)
                 )
             table.append(line)
         first = next(
@@ -173,7 +171,7 @@ class NonFiniteReport:
             name, max_abs = self.inputs_out_of_range[0]
             summary.append(
                 f"note: model input {name} holds values up to |x| = "
-                f"{_bg.fmt(max_abs)}, beyond float16's max 65504 (nothing "
+                f"{fmt(max_abs)}, beyond float16's max 65504 (nothing "
                 "non-finite came of it on this batch)"
             )
         summary.append(f"first non-finite layer output: {self.layer}")
@@ -182,8 +180,8 @@ class NonFiniteReport:
                 f"first non-finite gradient (backprop order): {self.variable}"
             )
             summary.append(
-                f"loss: {_bg.fmt(self.loss)} (gradients of loss x "
-                f"{_bg.fmt(self.loss_scale)})"
+                f"loss: {fmt(self.loss)} (gradients of loss x "
+                f"{fmt(self.loss_scale)})"
             )
         return "\n".join(lines + summary)
 
@@ -248,7 +246,7 @@ def _float_arrays(structure):
         dtype = keras.backend.standardize_dtype(t.dtype)
         if _float_max(dtype) is None:
             continue
-        arrays.append((dtype, np.asarray(ops.convert_to_numpy(t))))
+        arrays.append((dtype, to_numpy(t)))
     return arrays
 
 
@@ -285,9 +283,9 @@ def _current_loss_scale(optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         if not optimizer.built:
             return float(optimizer.initial_scale)
-        return float(ops.convert_to_numpy(optimizer.dynamic_scale))
+        return float(to_numpy(optimizer.dynamic_scale))
     scale_var = getattr(optimizer, "dynamic_scale", None)
-    return 1.0 if scale_var is None else float(ops.convert_to_numpy(scale_var))
+    return 1.0 if scale_var is None else float(to_numpy(scale_var))
 
 
 def find_nonfinite(
@@ -358,21 +356,21 @@ def find_nonfinite(
     def record(layer, outputs):
         calls.append((layer, _stats(_float_arrays(outputs))))
 
-    state = _bg.snapshot(
+    state = snapshot(
         list(model.non_trainable_variables) + list(model.metrics_variables)
     )
     try:
         layers = [layer for _, layer in layer_paths(model).values()]
         with record_calls(layers, record):
-            model(x, **_bg.call_kwargs(model, training))
-        _bg.restore(state)
+            model(x, **call_kwargs(model, training))
+        restore(state)
         loss_value = grads = None
         if y is not None:
-            loss_value, grads = _bg.gradients(
+            loss_value, grads = gradients(
                 model, x, y, sample_weight, loss, loss_scale, training
             )
     finally:
-        _bg.restore(state)
+        restore(state)
 
     rows = []
     by_path = {}
@@ -428,7 +426,6 @@ def _inputs_out_of_range(model, x):
     """
     if not _computes_in_float16(model):
         return []
-    limit = _FLOAT_MAX["float16"]
     found = []
     for path, value in keras.tree.flatten_with_path(x):
         if value is None or not hasattr(value, "dtype"):
@@ -436,11 +433,11 @@ def _inputs_out_of_range(model, x):
         dtype = keras.backend.standardize_dtype(value.dtype)
         if _float_max(dtype) is None:
             continue
-        a = np.asarray(ops.convert_to_numpy(value), np.float64)
+        a = to_numpy(value).astype(np.float64)
         if not a.size:
             continue
         # inf counts (beyond the range); NaN compares False.
-        over = np.abs(a)[np.abs(a) > limit]
+        over = np.abs(a)[np.abs(a) > FLOAT16_MAX]
         if over.size:
             found.append((_input_name(path), float(np.max(over))))
     return found
@@ -459,9 +456,7 @@ def _gradient_rows(model, calls, paths, rows, row_index, grads):
     for index, (v, g) in enumerate(zip(model.trainable_variables, grads)):
         if g is None:
             continue
-        g = np.asarray(
-            ops.convert_to_numpy(getattr(g, "values", g)), np.float64
-        )
+        g = to_numpy(getattr(g, "values", g)).astype(np.float64)
         finite = bool(np.isfinite(g).all())
         if finite:
             max_abs = float(np.max(np.abs(g))) if g.size else 0.0

@@ -335,7 +335,7 @@ def test_plot_float8_draws_the_monitors_records(tmp_path):
     the monitor's records (and the History's epoch values); the fallback
     and its event are drawn where the monitor recorded them."""
     pytest.importorskip("matplotlib")
-    from kerasmp.float8_plotting import parse_key
+    from kerasmp.plotting import parse_key
 
     kerasmp.set_global_policy(_policy())
     model = _model()

@@ -1,5 +1,5 @@
 """The classification rules of NonFiniteMonitor
-(kerasmp/callbacks/nonfinite_rules.py).
+(kerasmp/callbacks/nonfinite_events.py).
 
 Pure functions, so no model and no fit: each table row is a state and one
 step's record in, and the state and event verdict out, written by hand from
@@ -11,19 +11,19 @@ at `min_scale`, a non-finite loss on an applied step, broken weights).
 import numpy as np
 import pytest
 
-from kerasmp.callbacks.nonfinite_rules import Rules
-from kerasmp.callbacks.nonfinite_rules import SkipRun
-from kerasmp.callbacks.nonfinite_rules import State
-from kerasmp.callbacks.nonfinite_rules import Verdict
-from kerasmp.callbacks.nonfinite_rules import after_scale_reset
-from kerasmp.callbacks.nonfinite_rules import classify
-from kerasmp.callbacks.nonfinite_rules import classify_logged_loss
-from kerasmp.callbacks.nonfinite_rules import classify_weights
-from kerasmp.callbacks.nonfinite_rules import describe
-from kerasmp.callbacks.nonfinite_rules import forget_run
-from kerasmp.callbacks.nonfinite_rules import new_event
-from kerasmp.callbacks.nonfinite_rules import start
-from kerasmp.callbacks.nonfinite_rules import weights_event
+from kerasmp.callbacks.nonfinite_events import Rules
+from kerasmp.callbacks.nonfinite_events import SkipRun
+from kerasmp.callbacks.nonfinite_events import State
+from kerasmp.callbacks.nonfinite_events import Verdict
+from kerasmp.callbacks.nonfinite_events import after_scale_reset
+from kerasmp.callbacks.nonfinite_events import classify
+from kerasmp.callbacks.nonfinite_events import classify_logged_loss
+from kerasmp.callbacks.nonfinite_events import classify_weights
+from kerasmp.callbacks.nonfinite_events import describe
+from kerasmp.callbacks.nonfinite_events import forget_run
+from kerasmp.callbacks.nonfinite_events import new_event
+from kerasmp.callbacks.nonfinite_events import start
+from kerasmp.callbacks.nonfinite_events import weights_event
 
 RULES = Rules(patience=3, scaled=True, dynamic=True, min_scale=1.0)
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kerasmp.callbacks import nonfinite_fallback as fallback
-from kerasmp.callbacks.nonfinite_rules import Rules
-from kerasmp.callbacks.nonfinite_rules import SkipRun
-from kerasmp.callbacks.nonfinite_rules import State
+from kerasmp.callbacks.nonfinite_events import Rules
+from kerasmp.callbacks.nonfinite_events import SkipRun
+from kerasmp.callbacks.nonfinite_events import State
 from kerasmp.optimizer import LossScaleOptimizer
 
 RULES = Rules(patience=3, scaled=True, dynamic=True, min_scale=1.0)

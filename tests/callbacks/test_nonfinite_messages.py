@@ -1,5 +1,5 @@
 """NonFiniteMonitor's wording and JSON Lines log
-(kerasmp/callbacks/nonfinite_messages.py): the exact diagnosis of each kind
+(kerasmp/callbacks/nonfinite_events.py): the exact diagnosis of each kind
 of event, and strict JSON lines appended to the log."""
 
 import json
@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from kerasmp.callbacks.nonfinite_messages import append_jsonl
-from kerasmp.callbacks.nonfinite_messages import jsonable
-from kerasmp.callbacks.nonfinite_messages import log_failed_message
-from kerasmp.callbacks.nonfinite_messages import message
-from kerasmp.callbacks.nonfinite_messages import reset_failed_message
+from kerasmp.callbacks.nonfinite_events import append_jsonl
+from kerasmp.callbacks.nonfinite_events import jsonable
+from kerasmp.callbacks.nonfinite_events import log_failed_message
+from kerasmp.callbacks.nonfinite_events import message
+from kerasmp.callbacks.nonfinite_events import reset_failed_message
 
 PREFIX = "kerasmp.NonFiniteMonitor: "
 

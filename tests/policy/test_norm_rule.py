@@ -338,8 +338,8 @@ def test_dtype_report_policy_scope_and_fallback_reasons():
         def layer_object(self, path):
             return model.get_layer(path)
 
-    from kerasmp.callbacks.nonfinite_rules import Rules
-    from kerasmp.callbacks.nonfinite_rules import State
+    from kerasmp.callbacks.nonfinite_events import Rules
+    from kerasmp.callbacks.nonfinite_events import State
 
     result = _nonfinite_fallback.fall_back(
         {"kind": "stuck", "layer": "block"}, Report(),

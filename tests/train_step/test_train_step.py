@@ -1,4 +1,4 @@
-"""kerasmp's one train step (`kerasmp.train_step.steps`, installed by compile).
+"""kerasmp's one train step (`kerasmp.train_step`, installed by compile).
 
 - The logs do not depend on which callbacks are attached: the same seeded
   fit through overflowing steps, with and without both monitors, gives the
