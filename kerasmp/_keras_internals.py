@@ -317,6 +317,14 @@ def patch_tf2onnx():
     patch()
 
 
+def tflite_schema():
+    """TensorFlow's generated flatbuffer schema of `.tflite` files (not a
+    public TensorFlow module), to read a model's buffers."""
+    from tensorflow.lite.python import schema_py_generated
+
+    return schema_py_generated
+
+
 # ------------------------------------- a running JAX fit's state, in place
 
 

@@ -17,6 +17,7 @@ import json
 import math
 import os
 
+from kerasmp._utils.table import log2_text
 from kerasmp.float8.telemetry import TENSORS
 
 
@@ -529,15 +530,10 @@ def plot_gradient_report(report, path, title="Gradients vs loss scale"):
         h = ax.axvline(report.recommended_scale, color="black",
                        linestyle="--",
                        label=f"recommended: 2^"
-                       f"{_log2(report.recommended_scale)}")
+                       f"{log2_text(report.recommended_scale)}")
         handles[0].append(h)
         handles[1].append(h.get_label())
     ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper right",
               fontsize="small")
     figure.savefig(path)
     return figure
-
-
-def _log2(scale):
-    k = math.log2(scale)
-    return f"{k:g}" if k == int(k) else f"{k:.2f}"

@@ -524,6 +524,12 @@ def test_patch_tf2onnx_exists():
     ki.patch_tf2onnx()  # raises if keras.src.export.tf2onnx_lib moved
 
 
+def test_tflite_schema_reads_a_flatbuffer():
+    schema = ki.tflite_schema()  # raises if TensorFlow moved the module
+    assert hasattr(schema.Model, "GetRootAsModel"), _changed(
+        "tensorflow.lite.python.schema_py_generated.Model")
+
+
 # ------------------------------------------------------ no other access
 
 ROOT = pathlib.Path(kerasmp.__file__).parent

@@ -3,8 +3,18 @@
 One renderer for every report that prints a table (`DTypeReport`,
 `NonFiniteReport`, `GradientReport`, `ExportReport`, the `kerasmp bench`
 and `kerasmp demo` tables), so that they align, rule and mark rows the
-same way. Standard library only.
+same way, and `log2_text`, how they name a loss scale. Standard library
+only.
 """
+
+import math
+
+
+def log2_text(value):
+    """`value`'s base-2 exponent as a label: `"15"` for 32768, `"14.58"`
+    for 24576 (how kerasmp names a loss scale: 2^15)."""
+    k = math.log2(value)
+    return f"{k:g}" if k == int(k) else f"{k:.2f}"
 
 
 def render_table(headers, rows, *, align="<", rule=None, marks=None,

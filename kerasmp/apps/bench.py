@@ -54,6 +54,7 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.devices import jax_memory_stats
 from kerasmp._utils.devices import main_device
 from kerasmp._utils.devices import tf_first_gpu
@@ -153,7 +154,7 @@ def activation_bytes(model, x):
                     x,
                 )
             else:
-                state = [(v, keras.ops.convert_to_numpy(v.value))
+                state = [(v, to_numpy(v))
                          for v in model.non_trainable_variables]
                 model(x, training=True)
     finally:

@@ -39,6 +39,7 @@ import warnings
 import keras
 import numpy as np
 
+from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.devices import main_device
 from kerasmp._utils.paths import check_output_folder
 from kerasmp._utils.table import render_table
@@ -309,7 +310,7 @@ def _served_accuracy(fmt, path, x_test, y_test):
     """Test accuracy of the exported artifact, loaded the way users load it."""
     if fmt == "keras":
         served = keras.saving.load_model(path, compile=False)
-        probs = keras.ops.convert_to_numpy(served(x_test, training=False))
+        probs = to_numpy(served(x_test, training=False))
     else:
         import tensorflow as tf
 

@@ -29,6 +29,7 @@ from keras import ops
 
 from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
+from kerasmp._utils.table import log2_text
 from kerasmp._utils.table import render_table
 from kerasmp.debug.batch import call_kwargs
 from kerasmp.debug.batch import check_loss
@@ -209,7 +210,7 @@ class GradientReport:
         for r in self.rows:
             table.append((
                 f"{r.scale:g}",
-                _log2(r.scale),
+                log2_text(r.scale),
                 "yes" if r.overflow else "no",
                 f"{100 * r.underflow:.2f}%",
                 "inf" if not math.isfinite(r.rel_error)
@@ -229,7 +230,7 @@ class GradientReport:
                          "the float16 passes overflow whatever the scale)")
         else:
             lines.append(f"recommended scale: {self.recommended_scale:g} "
-                         f"(2^{_log2(self.recommended_scale)}); first "
+                         f"(2^{log2_text(self.recommended_scale)}); first "
                          f"overflow: {_fmt_scale(self.first_overflow)}")
             worst = self.layers[:5]
             if worst:
@@ -260,13 +261,8 @@ def _sort_key(value):
     return math.inf if math.isnan(value) else value
 
 
-def _log2(scale):
-    k = math.log2(scale)
-    return f"{k:g}" if k == int(k) else f"{k:.2f}"
-
-
 def _fmt_scale(scale):
-    return "none" if scale is None else f"{scale:g} (2^{_log2(scale)})"
+    return "none" if scale is None else f"{scale:g} (2^{log2_text(scale)})"
 
 
 def recommend(rows, margin):

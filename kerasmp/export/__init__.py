@@ -245,15 +245,16 @@ class ParityError(Exception):
 
 
 def check_target(path, format="savedmodel", overwrite=False, dtype=None,
-                 io_dtype=None):
+                 io_dtype=None, source=None):
     """Checks an export's arguments and output path before any model work.
 
     `kerasmp.export.specs.check_target` for this process's Keras backend
     (the `kerasmp` command calls the same function before loading a model):
     `format`, `dtype`, `io_dtype`, every package the format needs (naming
     the `pip install kerasmp[...]` extra), the backend, the path's suffix,
-    paths an export must never replace, and an existing `path` without
-    `overwrite`.
+    paths an export must never replace (`.`, the home folder, `source`),
+    an existing `path` without `overwrite` or of the wrong kind, and a
+    missing or unwritable parent folder.
 
     Args:
         path: The output path (`str` or `os.PathLike`).
@@ -261,6 +262,8 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
         overwrite: Whether an existing `path` may be replaced.
         dtype: Optional; `"float16"`, `"bfloat16"` or `"float32"`.
         io_dtype: Optional; `"float32"` or `"float16"`.
+        source: Optional; the path of the model file being exported, which
+            `path` must not be.
 
     Returns:
         `path` as a `str`.
@@ -275,7 +278,7 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
     from kerasmp.export.specs import check_target as check
 
     return check(path, format, overwrite, dtype, keras.backend.backend(),
-                 io_dtype)
+                 io_dtype, source)
 
 
 def _check_gate(value, argname):

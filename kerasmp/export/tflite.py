@@ -27,6 +27,7 @@ import warnings
 import keras
 import numpy as np
 
+from kerasmp import _keras_internals as _ki
 from kerasmp._utils.layers import walk
 from kerasmp.export.half import HalfModel
 from kerasmp.export.inputs import PREDICT_BATCH
@@ -328,8 +329,7 @@ def run_tflite(path, arrays, specs):
 def weights_tflite(path):
     """The bytes of the constant buffers (the weights) of a .tflite file,
     read from its flatbuffer (TensorFlow's generated schema)."""
-    from tensorflow.lite.python import schema_py_generated as schema
-
+    schema = _ki.tflite_schema()
     with open(path, "rb") as f:
         data = bytearray(f.read())
     model = schema.Model.GetRootAsModel(data, 0)

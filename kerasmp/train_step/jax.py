@@ -80,33 +80,21 @@ class JaxSteps(Steps):
         logs[ROW_KEY] = record(after, forward)
         return logs, new_state
 
-    def make_train_function(self, force=False):
-        """Keras's `make_train_function` for one step, run
-        `steps_per_execution` times by a host-side function that takes the
-        records out of the logs."""
+    def _train_function(self):
+        """Keras's function for one step, run `steps_per_execution` times
+        by the host-side function: Keras's multi-step loop keeps the last
+        step's logs only."""
         model = self.model
-        if model.train_function is not None and not force:
-            return model.train_function
-
-        # A new function object for every build: `jax.jit` reuses the trace
-        # of a function it has seen, which a dtype change (the fallback)
-        # makes stale.
-        def train_step(*args):
-            return self.train_step(*args)
-
-        object.__setattr__(model, "train_step", train_step)
-        self.spe = spe = int(getattr(model, "steps_per_execution", 1) or 1)
         model.steps_per_execution = 1
         try:
             type(model).make_train_function(model, force=True)
         finally:
-            model.steps_per_execution = spe
+            model.steps_per_execution = self.spe
         single = model.train_function
 
         def train_function(state, iterator):
             return self._run(single, state, iterator)
 
-        model.train_function = train_function
         return train_function
 
     def _run(self, single, state, iterator):

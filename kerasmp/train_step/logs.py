@@ -102,8 +102,9 @@ def as_row(values):
 class Steps:
     """kerasmp's train step of one model and what it keeps for monitors.
 
-    A backend subclass implements `train_step`, `make_train_function`,
-    `_records` (the last execution's records as arrays) and `batch`.
+    A backend subclass implements `train_step`, `_train_function` (the
+    host-side train function of one build), `_records` (the last
+    execution's records as arrays) and `batch`.
 
     Args:
         model: The compiled `keras.Model`.
@@ -115,6 +116,25 @@ class Steps:
         self.keep_batch = False
         self.spe = 1
         self._rows = None
+
+    def make_train_function(self, force=False):
+        """Keras's `make_train_function`, wrapped by the backend's
+        host-side function, which takes kerasmp's records out of the logs
+        and keeps them."""
+        model = self.model
+        if model.train_function is not None and not force:
+            return model.train_function
+
+        # A new function object for every build: a traced function keeps
+        # the trace of one it has seen, which a dtype change (the
+        # fallback) makes stale.
+        def train_step(*args):
+            return self.train_step(*args)
+
+        object.__setattr__(model, "train_step", train_step)
+        self.spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        model.train_function = self._train_function()
+        return model.train_function
 
     def keras_step(self):
         """The step kerasmp wraps: the user's override, else Keras's."""

@@ -14,6 +14,7 @@ and keeps no records.
 
 import keras
 
+from kerasmp._utils.arrays import to_numpy
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.train_step.logs import BATCH_KEY
 from kerasmp.train_step.logs import ROW_FIELDS
@@ -199,29 +200,15 @@ class TensorFlowSteps(Steps):
         logs[_ROWS_KEY] = _now(table)
         logs[_POS_KEY] = _now(position)
 
-    def make_train_function(self, force=False):
-        """Keras's `make_train_function`, wrapped: the host-side function
-        takes the private entries out of the logs and keeps them."""
-        model = self.model
-        if model.train_function is not None and not force:
-            return model.train_function
-
-        # A new function object for every build: a traced function keeps
-        # the trace of one it has seen, which a dtype change (the
-        # fallback) makes stale.
-        def train_step(*args):
-            return self.train_step(*args)
-
-        object.__setattr__(model, "train_step", train_step)
-        self.spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    def _train_function(self):
         self._make_ring()
+        model = self.model
         type(model).make_train_function(model, force=True)
         inner = model.train_function
 
         def train_function(iterator):
             return self._take(inner(iterator))
 
-        model.train_function = train_function
         return train_function
 
     def _make_ring(self):
@@ -261,7 +248,7 @@ class TensorFlowSteps(Steps):
     def _ring_records(self, table, position):
         """The rows the execution wrote into the ring since the last read
         (one read of the table)."""
-        table, position = table.numpy(), int(position.numpy())
+        table, position = to_numpy(table), int(to_numpy(position))
         k = table.shape[0]
         count = max(0, min(k, position - self.ring_seen))
         self.ring_seen = position
