@@ -1,5 +1,5 @@
 """Helpers shared by several test files (imported as `_helpers`: pytest puts
-tests/ on sys.path)."""
+tests/ on sys.path). The tiny models they build are in `_models.py`."""
 
 import json
 import os
@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import keras
+import numpy as np
 import pytest
-from keras import ops
+
+import kerasmp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,13 +28,20 @@ sys.meta_path.insert(0, _Blocker())
 """
 
 
-class NaiveSoftmax(keras.layers.Layer):
-    """exp(x) / sum(exp(x)) without subtracting the max: overflows float16
-    (exp(x) > 65504 for x > 11.1) long before float32 (x > 88.7)."""
+def float8_test_policy(name="float8_mixed_bfloat16", **rule):
+    """A float8 `kerasmp.Policy` whose rule takes kernels of 256 elements
+    and more (the 32x32 ones of the tests' tiny models, not their 32x4
+    ones); `rule` overrides any other `Float8Rule` argument."""
+    from kerasmp.float8 import Float8Rule
 
-    def call(self, x):
-        e = ops.exp(x)
-        return e / ops.sum(e, axis=-1, keepdims=True)
+    return kerasmp.Policy(name, float8=Float8Rule(
+        **{"min_kernel_size": 256, **rule}))
+
+
+def uniform_inputs(model, n=64, seed=1):
+    """`n` float32 draws from U(0, 1) shaped like the model's one input."""
+    shape = (n,) + tuple(model.input_shape[1:])
+    return np.random.default_rng(seed).uniform(0, 1, shape).astype("float32")
 
 
 def free_ports(n):

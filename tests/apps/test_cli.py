@@ -17,6 +17,8 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from _helpers import subprocess_env
+from _models import single_dense
 
 import kerasmp
 from kerasmp.apps import cli
@@ -238,6 +240,16 @@ def test_debug_shows_the_traceback_of_a_user_error(files):
     assert "Traceback" in err and "UsageError" in err
 
 
+def test_misspelt_flag_points_at_the_subcommands_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["doctor", "--jsn"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "kerasmp doctor: error: unrecognized arguments: --jsn" in err
+    assert "did you mean --json?" in err
+    assert "(see 'kerasmp doctor --help')" in err
+
+
 # ---------------------------------------------------------------- export
 
 
@@ -344,6 +356,51 @@ def test_unsafe_contents_finds_modules_and_lambdas():
         "dtype": {"module": "kerasmp.policy", "class_name": "Policy"}}}
     assert unsafe_contents(config) == [("module", "mypkg.layers"),
                                            ("lambda", "f")]
+
+
+# ---------------------------------------------------------------- Unix tool
+
+
+@pytest.mark.parametrize("command", ["doctor", "inspect"])
+def test_a_closed_pipe_is_quiet(command, tmp_path, monkeypatch, capsys):
+    """`kerasmp ... | head`: the reader closes the pipe; the command stops
+    without a traceback or an 'internal error' line."""
+    import io
+
+    argv = [command, "--json"]
+    if command == "inspect":
+        model = single_dense(3, 2)
+        model.save(tmp_path / "m.keras")
+        argv.append(str(tmp_path / "m.keras"))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (`head`) has exited
+    stdout = io.TextIOWrapper(os.fdopen(write_end, "wb"), write_through=False)
+    monkeypatch.setattr("sys.stdout", stdout)
+    status = cli.main(argv)
+    assert status == 141
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.tensorflow  # runs a JAX subprocess; once is enough
+def test_no_tensorflow_start_up_lines_on_jax(tmp_path):
+    """On JAX, Keras still imports TensorFlow when it is installed
+    (`set_random_seed`, saving); its C++ start-up lines (oneDNN, cuInit)
+    must stay out of `kerasmp export` as they do on TensorFlow."""
+    model = single_dense(3, 2)
+    model.save(tmp_path / "m.keras")
+    env = subprocess_env("jax")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as a user's shell has it
+    proc = subprocess.run(
+        [sys.executable, "-m", "kerasmp", "export", str(tmp_path / "m.keras"),
+         str(tmp_path / "h.keras"), "--format", "keras"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "kerasmp export report" in proc.stdout
+    for noise in ("I0000", "E0000", "W0000", "oneDNN", "InitializeLog",
+                  "cuInit"):
+        assert noise not in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------- docs

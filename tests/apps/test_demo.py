@@ -219,6 +219,43 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_demo_refuses_a_missing_parent_folder(tmp_path):
+    out = tmp_path / "missing" / "x"
+    assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
+    with pytest.raises(ValueError, match="does not exist"):
+        demo.run_demo(out=out, quick=True, verbose=False)
+    assert not (tmp_path / "missing").exists()
+
+
+def _demo_summary(top1=1.0):
+    run = {"test_accuracy": 0.99, "test_loss": 0.02, "wall_time_s": 2.0,
+           "final_loss_scale": None, "skipped_steps": None, "steps": 540}
+    mixed = dict(run, final_loss_scale=2.0**20, initial_loss_scale=2.0**15,
+                 skipped_steps=0, events={"total": 0, "by_kind": {}})
+    return {
+        "runs": {"float32": run, "mixed": mixed},
+        "config": {"policy": "mixed_float16"},
+        "accuracy_diff_pp": 0.0, "time_ratio": 2.0, "accuracy_parity": True,
+        "device": "cpu: x", "notes": [], "artifacts": {},
+        "exports": [{"format": "keras", "dtype": "float16", "size_ratio": 0.6,
+                     "max_abs_diff": 2e-3, "top1_agreement": top1,
+                     "test_accuracy": 0.99}],
+    }
+
+
+@pytest.mark.parametrize("top1", [1.0, None])
+def test_demo_table_has_a_header_per_column_and_a_rule_as_wide_as_it(top1):
+    lines = demo.format_summary(_demo_summary(top1)).split("\n")
+    header, rule = lines[1], lines[2]
+    assert set(rule) == {"-"}
+    assert header.split()[-3:] == ["mixed_float16", "vs", "float32"]
+    body = lines[3:lines.index(rule, 3)]
+    assert lines[lines.index(rule, 3)] == rule  # the closing rule
+    widths = [len(text) for text in [header, *body]]
+    assert max(widths) == len(rule)
+    assert all(text == text.rstrip() for text in [header, *body])
+
+
 def test_vendored_digits_match_scikit_learn():
     (x, y), (x_test, y_test) = load_digits()
     assert x.shape == (1438, 8, 8, 1) and x_test.shape == (359, 8, 8, 1)

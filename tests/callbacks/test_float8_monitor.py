@@ -10,17 +10,14 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from _helpers import float8_test_policy
+from _models import single_dense
 
 import kerasmp
 from kerasmp import _keras_internals as _ki
 from kerasmp import float8
 from kerasmp.callbacks import Float8Monitor
 from kerasmp.float8 import telemetry as tm
-
-
-def _policy(**rule):
-    return kerasmp.Policy("float8_mixed_bfloat16", float8=float8.Float8Rule(
-        **{"min_kernel_size": 256, **rule}))
 
 
 @keras.saving.register_keras_serializable(package="test_float8_monitor")
@@ -107,8 +104,8 @@ def test_no_batch_end_hook_keeps_keras_async_dispatch():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_logged_values_are_the_variables_keras_keeps(tmp_path, jit):
-    kerasmp.set_global_policy(_policy())
+def test_logged_values_are_the_variables_keras_keeps(
+        tmp_path, jit, float8_policy):
     model = _model()
     model.compile("adam", "mse", jit_compile=jit)
     x, y = _data()
@@ -158,14 +155,13 @@ class _SyncWatch(keras.callbacks.Callback):
 
 
 @pytest.mark.parametrize("jit,spe", [(True, 1), (False, 2)])
-def test_readings_inside_a_fit_are_the_current_values(jit, spe):
+def test_readings_inside_a_fit_are_the_current_values(jit, spe, float8_policy):
     """Readings taken inside the fit (on JAX from the trainer's running
     state, which the monitor leaves unsynced) equal a reading of the model
     after the fit, and the replayed inputs' saturation a hand count on the
     layer's input. The replayed batch is 8x the training data, so at the
     trained scales part of it saturates (at the initial scale of 1, none)."""
     keras.utils.set_random_seed(0)
-    kerasmp.set_global_policy(_policy())
     model = _model()
     model.compile("adam", "mse", jit_compile=jit, steps_per_execution=spe)
     x, y = _data()
@@ -197,8 +193,7 @@ def test_readings_inside_a_fit_are_the_current_values(jit, spe):
     assert 0 < last["float8/hot/outputs_grad_scale"] < 1  # trained, not 1
 
 
-def test_every_n_steps_and_steps_per_execution():
-    kerasmp.set_global_policy(_policy())
+def test_every_n_steps_and_steps_per_execution(float8_policy):
     model = _model()
     model.compile("adam", "mse", steps_per_execution=4)
     x, y = _data()
@@ -213,10 +208,9 @@ def test_every_n_steps_and_steps_per_execution():
 def test_crafted_saturation_and_underflow_match_a_hand_count():
     """One float8 Dense (identity kernel) fed crafted inputs and targets:
     every fraction is countable by hand."""
-    kerasmp.set_global_policy(_policy(exclude_first=False,
-                                      exclude_last=False, min_kernel_size=0))
-    model = keras.Sequential([keras.Input((8,)),
-                              keras.layers.Dense(8, name="f8")])
+    kerasmp.set_global_policy(float8_test_policy(
+        exclude_first=False, exclude_last=False, min_kernel_size=0))
+    model = single_dense(8, 8, name="f8")
     model.compile("sgd", "mse")
     layer = model.get_layer("f8")
     assert layer.quantization_mode == "float8"
@@ -261,8 +255,7 @@ def test_crafted_saturation_and_underflow_match_a_hand_count():
 
 
 @pytest.mark.parametrize("jit,spe", [(False, 1), (True, 2)])
-def test_injected_saturating_layer_falls_back_alone(jit, spe):
-    kerasmp.set_global_policy(_policy())
+def test_injected_saturating_layer_falls_back_alone(jit, spe, float8_policy):
     model = _model()
     model.compile("adam", "mse", jit_compile=jit, steps_per_execution=spe)
     x, y = _data()
@@ -291,11 +284,10 @@ def test_injected_saturating_layer_falls_back_alone(jit, spe):
     assert "float8/cool/inputs_scale" in monitor.records[-1]
 
 
-def test_amax_ratio_sees_the_step_that_clipped():
+def test_amax_ratio_sees_the_step_that_clipped(float8_policy):
     """Gain x4 per step: each step's amax is ~16x the amax (two steps
     back) its scale was computed from."""
     keras.utils.set_random_seed(0)
-    kerasmp.set_global_policy(_policy())
     model = _model()
     model.compile("sgd", "mse")
     x, y = _data()
@@ -315,8 +307,7 @@ def test_amax_ratio_sees_the_step_that_clipped():
     assert all(layer == "hot" for layer, _ in kinds)
 
 
-def test_action_stop_stops_training():
-    kerasmp.set_global_policy(_policy())
+def test_action_stop_stops_training(float8_policy):
     model = _model()
     model.compile("adam", "mse")
     x, y = _data()
@@ -330,14 +321,13 @@ def test_action_stop_stops_training():
 # ------------------------------------------------------------ plot_float8
 
 
-def test_plot_float8_draws_the_monitors_records(tmp_path):
+def test_plot_float8_draws_the_monitors_records(tmp_path, float8_policy):
     """Each plotted line is one layer's tensor statistic, point for point
     the monitor's records (and the History's epoch values); the fallback
     and its event are drawn where the monitor recorded them."""
     pytest.importorskip("matplotlib")
     from kerasmp.plotting import parse_key
 
-    kerasmp.set_global_policy(_policy())
     model = _model()
     model.compile("adam", "mse")
     x, y = _data()
@@ -407,8 +397,7 @@ def test_replayed_output_gradients_carry_the_current_loss_scale():
     kerasmp.set_global_policy(kerasmp.Policy(
         "float8_mixed_float16", float8=float8.Float8Rule(
             exclude_first=False, exclude_last=False, min_kernel_size=0)))
-    model = keras.Sequential([keras.Input((8,)),
-                              keras.layers.Dense(8, name="f8")])
+    model = single_dense(8, 8, name="f8")
     x, y = _data(16)
     x, y = x[:, :8], np.zeros((16, 8), "float32")
     for scale in (2.0 ** 4, 2.0 ** 10):

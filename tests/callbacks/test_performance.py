@@ -12,6 +12,7 @@ import time
 import keras
 import numpy as np
 import pytest
+from _models import mlp
 
 from kerasmp.callbacks.performance import PerformanceMonitor
 
@@ -73,12 +74,7 @@ class SlowValidation(keras.callbacks.Callback):
 
 
 def _model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16, activation="relu"),
-        keras.layers.Dense(1),
-    ])
+    model = mlp(seed=0)
     model.compile(optimizer="sgd", loss="mse")
     return model
 

@@ -15,6 +15,8 @@ import math
 import keras
 import numpy as np
 import pytest
+from _models import batch_norm_mlp
+from _models import named_mlp
 
 import kerasmp
 from kerasmp.debug import GradientReport
@@ -28,15 +30,6 @@ def _scaled_mse(factor):
         return factor * keras.losses.mean_squared_error(y, y_pred)
 
     return loss
-
-
-def _sequential():
-    return keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="relu", name="d1"),
-        keras.layers.Dense(32, activation="relu", name="d2"),
-        keras.layers.Dense(4, name="out"),
-    ])
 
 
 def _functional():
@@ -65,7 +58,7 @@ class DictModel(keras.Model):
 
 
 BUILDERS = {
-    "sequential": _sequential,
+    "sequential": lambda: named_mlp(16, 32, 4),
     "functional": _functional,
     "subclassed_dict": DictModel,
 }
@@ -132,13 +125,7 @@ def _snapshot(variables):
 def test_weights_and_optimizer_state_unchanged_bitwise():
     keras.utils.set_random_seed(0)
     with kerasmp.policy_scope("mixed_float16"):
-        model = keras.Sequential([
-            keras.Input((16,)),
-            keras.layers.Dense(32, activation="relu"),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dropout(0.2),
-            keras.layers.Dense(4),
-        ])
+        model = batch_norm_mlp(16, 32, 4, dropout=0.2)
     model.compile(
         optimizer=LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
         loss=_scaled_mse(1e-6),

@@ -17,6 +17,8 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+from _models import single_dense
+from _models import transformer_classifier
 from keras import layers
 
 from kerasmp import export as kx
@@ -50,21 +52,10 @@ def build_cnn():
 
 
 def build_transformer():
-    # dropout > 0 makes MultiHeadAttention use its einsum + Softmax path (the
-    # Softmax sublayer the kerasmp policy keeps in float32). With dropout=0
-    # it calls the fused ops.dot_product_attention instead, which XLA on CPU
-    # cannot run in float16 under JAX ("precision F16_F16_F32 is not
-    # supported by dot_general on CPU"), in stock Keras too.
-    inputs = keras.Input((16, 32), name="tokens")
-    x = layers.Dense(128, name="embed")(inputs)
-    a = layers.MultiHeadAttention(4, 32, dropout=0.1, name="mha")(x, x)
-    x = layers.LayerNormalization(name="ln1")(x + a)
-    f = layers.Dense(1024, activation="gelu", name="ff1")(x)
-    f = layers.Dense(128, name="ff2")(f)
-    x = layers.LayerNormalization(name="ln2")(x + f)
-    x = layers.GlobalAveragePooling1D()(x)
-    outputs = layers.Dense(10, activation="softmax", name="head")(x)
-    return keras.Model(inputs, outputs, name="transformer")
+    # ff1 uses Keras's exact GELU (erfc): the ONNX test below checks it.
+    return transformer_classifier(
+        seq=16, features=32, dim=128, heads=4, key_dim=32, feed_forward=1024,
+        classes=10, name="transformer")
 
 
 BUILDERS = {"cnn": build_cnn, "transformer": build_transformer}
@@ -381,7 +372,7 @@ def test_unbuilt_and_bad_arguments_are_rejected(tmp_path):
         kx.to_float16(unbuilt)
     with pytest.raises(ValueError, match="not built"):
         kx.export(unbuilt, str(tmp_path / "m.keras"), format="keras")
-    model = keras.Sequential([keras.Input((4,)), layers.Dense(3)])
+    model = single_dense(4, 3)
     with pytest.raises(ValueError, match=r"`dtype`.*'int8'.*'float16'"):
         kx.to_float16(model, dtype="int8")
     with pytest.raises(TypeError, match="keep_float32"):
@@ -405,7 +396,7 @@ def test_unbuilt_and_bad_arguments_are_rejected(tmp_path):
 
 
 def test_existing_path_and_failed_export_leave_nothing_behind(tmp_path):
-    model = keras.Sequential([keras.Input((4,)), layers.Dense(3)])
+    model = single_dense(4, 3)
     target = tmp_path / "model.keras"
     target.write_bytes(b"precious")
     with pytest.raises(FileExistsError, match="overwrite=True"):

@@ -18,6 +18,7 @@ import time
 import keras
 import numpy as np
 import pytest
+from _models import single_dense
 
 from kerasmp import export as kx
 from kerasmp.export import publish as _publish
@@ -60,10 +61,6 @@ CHILD = textwrap.dedent("""
         sys.exit(3)
     print("OK", flush=True)
 """)
-
-
-def _tiny():
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
 
 
 def _sample():
@@ -133,7 +130,7 @@ def test_concurrent_export_to_same_path_fails_and_keeps_first(tmp_path):
     first.wait_ready()
     # A second export to the same path while the first is running.
     with pytest.raises(FileExistsError, match="Another export is writing"):
-        kx.export(_tiny(), path, format="keras", sample=_sample())
+        kx.export(single_dense(4, 3), path, format="keras", sample=_sample())
     rc, stdout, err = first.resume()
     assert rc == 0, err[-2000:]
     assert "OK" in stdout
@@ -157,7 +154,7 @@ def test_sigkill_before_publish_keeps_old_and_next_export_cleans(tmp_path):
     out.mkdir()
     path = str(out / "m.keras")
     x = _sample()
-    model = _tiny()
+    model = single_dense(4, 3)
     kx.export(model, path, format="keras", sample=x)
     before = _predict(path, x)
 
@@ -193,14 +190,15 @@ def test_keyboard_interrupt_removes_staging(tmp_path, monkeypatch):
     monkeypatch.setattr(_publish, "_before_publish", interrupt)
     path = tmp_path / "m.keras"
     with pytest.raises(KeyboardInterrupt):
-        kx.export(_tiny(), str(path), format="keras", sample=_sample())
+        kx.export(single_dense(4, 3), str(path), format="keras",
+                  sample=_sample())
     assert os.listdir(tmp_path) == []
 
 
 def test_overwrite_swaps_atomically(tmp_path, monkeypatch):
     path = str(tmp_path / "m.keras")
     x = _sample()
-    old, new = _tiny(), _tiny()
+    old, new = single_dense(4, 3), single_dense(4, 3)
     kx.export(old, path, format="keras", sample=x)
     seen = []
 
@@ -236,7 +234,7 @@ def test_fallback_kill_between_renames_is_recovered(tmp_path):
     out.mkdir()
     path = str(out / "served")
     x = _sample()
-    model = _tiny()
+    model = single_dense(4, 3)
     kx.export(model, path, format="savedmodel", sample=x)
     before = _tree(path)
     child = Child(tmp_path, path, overwrite=True, mode="no_renameat2")
@@ -268,7 +266,7 @@ def test_dangerous_paths_are_refused(tmp_path, monkeypatch):
             kx.check_target(bad, "savedmodel", overwrite=True)
     # A folder holding the working directory, through export itself.
     with pytest.raises(ValueError, match=r"`path`.*working directory"):
-        kx.export(_tiny(), str(tmp_path / "x.keras"), format="keras",
+        kx.export(single_dense(4, 3), str(tmp_path / "x.keras"), format="keras",
                   overwrite=True, sample=_sample())
     assert (work / "precious.txt").read_text() == "keep me"
 
@@ -278,7 +276,7 @@ def test_export_to_current_directory_is_refused(tmp_path, monkeypatch):
     (tmp_path / "precious.txt").write_text("keep me")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="`path`"):
-        kx.export(_tiny(), ".", format="savedmodel", overwrite=True,
+        kx.export(single_dense(4, 3), ".", format="savedmodel", overwrite=True,
                   sample=_sample())
     assert os.listdir(tmp_path) == ["precious.txt"]
 
@@ -323,7 +321,7 @@ def test_docs_format_table_is_generated_from_the_registry():
 
 
 def test_parity_gate_writes_nothing(tmp_path):
-    model = _tiny()
+    model = single_dense(4, 3)
     x = _sample()
     path = tmp_path / "m.keras"
     with pytest.raises(kx.ParityError, match="max_diff=1e-12") as info:

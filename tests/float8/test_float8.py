@@ -10,6 +10,8 @@ import sys
 import keras
 import numpy as np
 import pytest
+from _helpers import float8_test_policy
+from _models import float8_mlp
 
 import kerasmp
 from kerasmp import _keras_internals as ki
@@ -18,24 +20,6 @@ from kerasmp._utils.layers import walk
 
 RULE = float8.Float8Rule(min_kernel_size=256)
 BACKEND = keras.backend.backend()
-
-
-def _policy(name="float8_mixed_bfloat16", **rule):
-    return kerasmp.Policy(name, float8=float8.Float8Rule(**{
-        "min_kernel_size": 256, **rule}))
-
-
-def _mlp():
-    """first (16x32), mid (32x32), ln, mid2 (32x32), small (32x4), head
-    (4x4, softmax): with min_kernel_size 256 the rule picks mid and mid2."""
-    inp = keras.Input((16,))
-    x = keras.layers.Dense(32, name="first")(inp)
-    x = keras.layers.Dense(32, activation="relu", name="mid")(x)
-    x = keras.layers.LayerNormalization(name="ln")(x)
-    x = keras.layers.Dense(32, name="mid2")(x)
-    x = keras.layers.Dense(4, name="small")(x)
-    out = keras.layers.Dense(4, activation="softmax", name="head")(x)
-    return keras.Model(inp, out)
 
 
 def _data(n=64, seed=0):
@@ -83,8 +67,8 @@ def test_bad_arguments_fail_at_construction_naming_the_argument():
 
 
 def test_policy_config_round_trip_keeps_the_rule():
-    policy = _policy(exclude=["head"], include=["small"],
-                     amax_history_length=16)
+    policy = float8_test_policy(exclude=["head"], include=["small"],
+                                amax_history_length=16)
     again = kerasmp.Policy.from_config(policy.get_config())
     assert again == policy
     assert again.float8.amax_history_length == 16
@@ -94,9 +78,8 @@ def test_policy_config_round_trip_keeps_the_rule():
 # ------------------------------------------------------------- assignment
 
 
-def test_rule_assigns_large_middle_matmuls_at_compile():
-    kerasmp.set_global_policy(_policy())
-    model = _mlp()
+def test_rule_assigns_large_middle_matmuls_at_compile(float8_policy):
+    model = float8_mlp()
     assert _float8_paths(model) == []  # built, not yet compiled
     model.compile("adam", "categorical_crossentropy")
     assert _float8_paths(model) == ["mid", "mid2"]
@@ -123,10 +106,10 @@ def test_rule_assigns_large_middle_matmuls_at_compile():
 
 
 def test_overrides_include_exclude_first_last():
-    kerasmp.set_global_policy(_policy(include=["small"], exclude=["mid2"],
-                                      exclude_first=False,
-                                      amax_history_length=8))
-    model = _mlp()
+    kerasmp.set_global_policy(float8_test_policy(
+        include=["small"], exclude=["mid2"], exclude_first=False,
+        amax_history_length=8))
+    model = float8_mlp()
     model.compile("adam", "categorical_crossentropy")
     # head is float32 by the softmax rule: never float8.
     assert _float8_paths(model) == ["first", "mid", "small"]
@@ -138,8 +121,8 @@ def test_explicit_dtype_and_subclasses_are_left_alone():
     class MyDense(keras.layers.Dense):
         pass
 
-    kerasmp.set_global_policy(_policy(exclude_first=False,
-                                      exclude_last=False))
+    kerasmp.set_global_policy(float8_test_policy(exclude_first=False,
+                                                 exclude_last=False))
     inp = keras.Input((32,))
     x = keras.layers.Dense(32, dtype="float32", name="explicit")(inp)
     x = MyDense(32, name="sub")(x)
@@ -154,8 +137,8 @@ def test_explicit_dtype_and_subclasses_are_left_alone():
 
 
 def test_unbuilt_model_warns_and_assign_layers_later():
-    kerasmp.set_global_policy(_policy(exclude_first=False,
-                                      exclude_last=False))
+    kerasmp.set_global_policy(float8_test_policy(exclude_first=False,
+                                                 exclude_last=False))
     model = keras.Sequential([keras.layers.Dense(32), keras.layers.Dense(32)])
     with pytest.warns(UserWarning, match="not built"):
         model.compile("adam", "mse")
@@ -168,17 +151,17 @@ def test_unbuilt_model_warns_and_assign_layers_later():
 
 
 def test_float16_variant_gets_loss_scaling():
-    kerasmp.set_global_policy(_policy("float8_mixed_float16",
-                                      exclude_first=False,
-                                      exclude_last=False))
+    kerasmp.set_global_policy(float8_test_policy("float8_mixed_float16",
+                                                 exclude_first=False,
+                                                 exclude_last=False))
     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(32),
                               keras.layers.Dense(32)])
     model.compile("adam", "mse")
     # Every float16 layer is float8 now: the float8 layers ask for it.
     assert _float8_paths(model) == ["dense", "dense_1"]
     assert isinstance(model.optimizer, kerasmp.LossScaleOptimizer)
-    kerasmp.set_global_policy(_policy("float8_mixed_bfloat16"))
-    model = _mlp()
+    kerasmp.set_global_policy(float8_test_policy("float8_mixed_bfloat16"))
+    model = float8_mlp()
     model.compile("adam", "categorical_crossentropy")
     assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
 
@@ -189,8 +172,8 @@ def test_float16_variant_gets_loss_scaling():
 @pytest.mark.parametrize("name", sorted(float8.FLOAT8_NAMES))
 @pytest.mark.parametrize("jit", [False, True])
 def test_training_is_finite_and_scales_follow_the_amax(name, jit):
-    kerasmp.set_global_policy(_policy(name))
-    model = _mlp()
+    kerasmp.set_global_policy(float8_test_policy(name))
+    model = float8_mlp()
     model.compile("adam", "categorical_crossentropy", jit_compile=jit)
     x, y = _data()
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
@@ -214,9 +197,9 @@ def test_float8_training_matches_float32_roughly():
     losses = {}
     for name in ("float32", "float8_mixed_bfloat16"):
         keras.utils.set_random_seed(1)
-        policy = _policy(name) if name != "float32" else "float32"
+        policy = float8_test_policy(name) if name != "float32" else "float32"
         kerasmp.set_global_policy(policy)
-        model = _mlp()
+        model = float8_mlp()
         model.compile(keras.optimizers.Adam(0.01), "categorical_crossentropy")
         model.fit(x, y, batch_size=32, epochs=5, verbose=0)
         losses[name] = model.evaluate(x, y, verbose=0)
@@ -228,8 +211,8 @@ def test_float8_training_matches_float32_roughly():
 
 
 def _trained(tmp_path):
-    kerasmp.set_global_policy(_policy(amax_history_length=32))
-    model = _mlp()
+    kerasmp.set_global_policy(float8_test_policy(amax_history_length=32))
+    model = float8_mlp()
     model.compile("adam", "categorical_crossentropy")
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
@@ -296,9 +279,9 @@ print("RESULT", d)
 # --------------------------------------------------------------- fallback
 
 
-def test_fall_back_moves_one_layer_and_survives_save_load(tmp_path):
-    kerasmp.set_global_policy(_policy())
-    model = _mlp()
+def test_fall_back_moves_one_layer_and_survives_save_load(
+        tmp_path, float8_policy):
+    model = float8_mlp()
     model.compile("adam", "categorical_crossentropy")
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -5,6 +5,8 @@ of the float16 artifact with the copy and with the float8 model."""
 import keras
 import numpy as np
 import pytest
+from _helpers import float8_test_policy
+from _models import float8_mlp
 
 import kerasmp
 from kerasmp import float8
@@ -13,16 +15,9 @@ E4M3 = "float8_e4m3fn"
 
 
 def _trained():
-    kerasmp.set_global_policy(kerasmp.Policy(
-        "float8_mixed_bfloat16", float8=float8.Float8Rule(min_kernel_size=256)))
+    kerasmp.set_global_policy(float8_test_policy())
     keras.utils.set_random_seed(0)
-    inp = keras.Input((16,))
-    x = keras.layers.Dense(32, name="first")(inp)
-    x = keras.layers.Dense(32, activation="relu", name="mid")(x)
-    x = keras.layers.LayerNormalization(name="ln")(x)
-    x = keras.layers.Dense(32, name="mid2")(x)
-    out = keras.layers.Dense(4, activation="softmax", name="head")(x)
-    model = keras.Model(inp, out)
+    model = float8_mlp(small=False)
     model.compile(keras.optimizers.Adam(0.01), "categorical_crossentropy")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 16)).astype("float32")

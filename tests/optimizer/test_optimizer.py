@@ -13,6 +13,7 @@ import math
 import keras
 import numpy as np
 import pytest
+from _models import single_dense
 from keras import ops
 
 from kerasmp.optimizer import LossScaleOptimizer
@@ -184,7 +185,7 @@ def test_is_a_stock_loss_scale_optimizer_and_compile_keeps_it():
     opt = LossScaleOptimizer(_sgd())
     assert isinstance(opt, keras.optimizers.LossScaleOptimizer)
     keras.config.set_dtype_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model = single_dense(3, 1)
     model.compile(optimizer=opt, loss="mse")
     assert model.optimizer is opt  # not wrapped a second time
     model.compile(optimizer=opt, loss="mse")

@@ -5,22 +5,12 @@ gradient accumulation and resuming from a checkpoint (TensorFlow and JAX).
 import keras
 import numpy as np
 import pytest
+from _models import mlp
 from keras import ops
 
 from kerasmp.optimizer import LossScaleOptimizer
 
 BACKEND = keras.backend.backend()
-
-
-def _mlp(seed=0, features=8):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential(
-        [
-            keras.Input((features,)),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
 
 
 def _weights(model):
@@ -64,7 +54,7 @@ def test_fit_mixed_float16_recovers_from_overflowing_batches(jit):
     )
     keras.config.set_dtype_policy("mixed_float16")
 
-    model = _mlp()
+    model = mlp(seed=0)
     opt = LossScaleOptimizer(
         keras.optimizers.SGD(0.05), dynamic_growth_steps=20, min_scale=2.0
     )
@@ -92,7 +82,7 @@ def test_fit_mixed_float16_recovers_from_overflowing_batches(jit):
     # Reported, not asserted: the stock optimizer on the same data ends
     # with NaN weights in Keras 3.15 (its scale has no floor), which a
     # later Keras may fix.
-    stock_model = _mlp()
+    stock_model = mlp(seed=0)
     stock_model.compile(
         keras.optimizers.LossScaleOptimizer(
             keras.optimizers.SGD(0.05), dynamic_growth_steps=20
@@ -115,7 +105,7 @@ def test_compile_with_stock_settings_matches_stock_fit():
     keras.config.set_dtype_policy("mixed_float16")
     results = []
     for cls in (keras.optimizers.LossScaleOptimizer, LossScaleOptimizer):
-        model = _mlp(seed=3)
+        model = mlp(seed=3)
         opt = cls(keras.optimizers.Adam(1e-3), dynamic_growth_steps=3)
         model.compile(opt, "mse")
         model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
@@ -149,7 +139,7 @@ def test_clipping_sees_unscaled_gradients(clip):
     y = (rng.normal(size=(32, 1)) * 10).astype("float32")
     weights = []
     for wrap in (False, True):
-        model = _mlp(seed=4)
+        model = mlp(seed=4)
         opt = keras.optimizers.SGD(0.1, **clip)
         if wrap:
             opt = LossScaleOptimizer(opt, initial_scale=2.0**12)
@@ -159,7 +149,7 @@ def test_clipping_sees_unscaled_gradients(clip):
     for a, b in zip(*weights):
         np.testing.assert_array_max_ulp(a, b, maxulp=maxulp)
     # ... and the clip really acted (the updates differ from unclipped).
-    model = _mlp(seed=4)
+    model = mlp(seed=4)
     model.compile(keras.optimizers.SGD(0.1), "mse")
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert any(
@@ -236,7 +226,7 @@ def test_accumulation_with_fit():
     x = rng.normal(size=(16, 8)).astype("float32")
     x[5] = 1e5
     y = rng.normal(size=(16, 1)).astype("float32")
-    model = _mlp()
+    model = mlp(seed=0)
     opt = LossScaleOptimizer(
         keras.optimizers.SGD(0.01, gradient_accumulation_steps=4),
         initial_scale=2.0**8,
@@ -260,7 +250,7 @@ def _custom_loop_data():
 
 
 def _fit_reference(batches):
-    model = _mlp(seed=7)
+    model = mlp(seed=7)
     opt = LossScaleOptimizer(
         keras.optimizers.Adam(1e-2), dynamic_growth_steps=2
     )
@@ -278,7 +268,7 @@ def test_tensorflow_gradient_tape_recipe():
 
     keras.config.set_dtype_policy("mixed_float16")
     batches = _custom_loop_data()
-    model = _mlp(seed=7)
+    model = mlp(seed=7)
     optimizer = LossScaleOptimizer(
         keras.optimizers.Adam(1e-2), dynamic_growth_steps=2
     )
@@ -310,7 +300,7 @@ def test_jax_stateless_apply_recipe():
 
     keras.config.set_dtype_policy("mixed_float16")
     batches = _custom_loop_data()
-    model = _mlp(seed=7)
+    model = mlp(seed=7)
     optimizer = LossScaleOptimizer(
         keras.optimizers.Adam(1e-2), dynamic_growth_steps=2
     )
@@ -366,7 +356,7 @@ def test_jax_apply_outside_fit():
 
     keras.config.set_dtype_policy("mixed_float16")
     batches = _custom_loop_data()
-    model = _mlp(seed=7)
+    model = mlp(seed=7)
     loss_fn = keras.losses.MeanSquaredError()
 
     def grads_of(optimizer, x, y):
@@ -386,7 +376,7 @@ def test_jax_apply_outside_fit():
     with pytest.raises(jax.errors.UnexpectedTracerError):
         stock.apply(grads_of(stock, x, y), model.trainable_variables)
 
-    model = _mlp(seed=7)
+    model = mlp(seed=7)
     optimizer = LossScaleOptimizer(
         keras.optimizers.Adam(1e-2), dynamic_growth_steps=2
     )
@@ -411,7 +401,7 @@ def _resume_data():
 
 
 def _resume_model():
-    model = _mlp(seed=9)
+    model = mlp(seed=9)
     model.compile(
         LossScaleOptimizer(
             keras.optimizers.Adam(1e-2),

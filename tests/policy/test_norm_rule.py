@@ -118,13 +118,8 @@ def is_norm_named(layer):
     return layer.name.startswith("norm_")
 
 
-@pytest.fixture
-def mixed():
-    kerasmp.set_global_policy("mixed_float16")
-
-
 @pytest.mark.parametrize("entry", HUB_NORMS, ids=_id)
-def test_keras_hub_normalizations_compute_in_float32(mixed, entry):
+def test_keras_hub_normalizations_compute_in_float32(mixed_policy, entry):
     layer = _make(*entry)
     assert layer.compute_dtype == "float32"
     rule = kerasmp.float32_rule(layer)
@@ -136,7 +131,8 @@ def test_keras_hub_normalizations_compute_in_float32(mixed, entry):
 
 
 @pytest.mark.parametrize("entry", HUB_COMPOSITES, ids=_id)
-def test_keras_hub_composite_blocks_stay_in_the_compute_dtype(mixed, entry):
+def test_keras_hub_composite_blocks_stay_in_the_compute_dtype(
+        mixed_policy, entry):
     layer = _make(*entry)
     assert layer.compute_dtype == "float16"
     assert kerasmp.float32_rule(layer) is None
@@ -150,7 +146,7 @@ def test_keras_hub_composite_blocks_stay_in_the_compute_dtype(mixed, entry):
     assert all(inner[n] == "float32" for n in norms)
 
 
-def test_user_rmsnorm_inside_a_model_is_float32_and_finite(mixed):
+def test_user_rmsnorm_inside_a_model_is_float32_and_finite(mixed_policy):
     inputs = keras.Input((4, 16))
     x = keras.layers.Dense(16, name="up", kernel_initializer=keras.
                            initializers.Identity(gain=1000.0))(inputs)
@@ -176,7 +172,7 @@ def test_user_rmsnorm_inside_a_model_is_float32_and_finite(mixed):
     np.testing.assert_allclose(y, expected, atol=2e-2)
 
 
-def test_user_composite_and_kernel_owning_layers(mixed):
+def test_user_composite_and_kernel_owning_layers(mixed_policy):
     block = ConvNorm()
     assert block.compute_dtype == "float16"
     assert block.conv.compute_dtype == "float16"
@@ -302,7 +298,7 @@ def test_hazard_rule_applies_to_float16_only():
     assert KNOWN_FLOAT16_HAZARDS.float16_only
 
 
-def test_dtype_report_names_the_rule_kind(mixed):
+def test_dtype_report_names_the_rule_kind(mixed_policy):
     kerasmp.set_global_policy(kerasmp.Policy(
         "mixed_float16",
         float32_layers=[*kerasmp.DEFAULT_FLOAT32_LAYERS, "head"]))

@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import pytest
 from _helpers import BLOCK_KERASMP
+from _models import mlp
+from _models import single_dense
 
 import kerasmp
 from kerasmp.optimizer import LossScaleOptimizer
@@ -111,8 +113,7 @@ def _block_model(block_cls=TransformerBlock):
     return keras.Model(inputs, outputs)
 
 
-def test_nested_layers_get_overrides():
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+def test_nested_layers_get_overrides(mixed_policy):
     model = _block_model()
     block = model.get_layer("block")
     # The Softmax inside MultiHeadAttention gets the parent's policy object
@@ -166,7 +167,7 @@ def test_default_rules_cover_normalization_and_softmax_activations():
     assert {k: v.compute_dtype for k, v in layers.items()} == expected
 
 
-def test_sublayers_built_in_init_with_dtype_none():
+def test_sublayers_built_in_init_with_dtype_none(mixed_policy):
     class Block(keras.layers.Layer):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -176,13 +177,12 @@ def test_sublayers_built_in_init_with_dtype_none():
         def call(self, x):
             return self.norm(self.dense(x))
 
-    kerasmp.set_global_policy("mixed_float16")
     block = Block()
     assert block.dense.compute_dtype == "float16"
     assert block.norm.compute_dtype == "float32"
 
 
-def test_functional_sequential_and_subclassed_models():
+def test_functional_sequential_and_subclassed_models(mixed_policy):
     class Net(keras.Model):
         def __init__(self):
             super().__init__()
@@ -192,7 +192,6 @@ def test_functional_sequential_and_subclassed_models():
         def call(self, x):
             return self.norm(self.dense(x))
 
-    kerasmp.set_global_policy("mixed_float16")
     seq = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
                             keras.layers.BatchNormalization()])
     net = Net()
@@ -255,11 +254,10 @@ print(json.dumps({{"dtypes": dtypes, "preds": preds.tolist()}}))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block_cls", [TransformerBlock, PlainBlock])
-def test_save_and_load_in_fresh_process(tmp_path, block_cls):
+def test_save_and_load_in_fresh_process(tmp_path, block_cls, mixed_policy):
     # The loading process's global policy is float32: the saved policies,
     # not the global one, must decide every layer's dtype, also for the
     # sublayers PlainBlock creates with dtype=None.
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     model = _block_model(block_cls)
     x = np.random.default_rng(1).normal(size=(4, 5, 8)).astype("float32")
     preds = model.predict(x, verbose=0)
@@ -294,12 +292,10 @@ def _compile(model, optimizer="adam", **kwargs):
 
 
 def _mlp():
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                             keras.layers.Dense(2)])
+    return mlp(4, 3, 2, hidden_activation=None)
 
 
-def test_compile_wraps_float16_once():
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+def test_compile_wraps_float16_once(mixed_policy):
     model = _mlp()
     opt = _compile(model, keras.optimizers.SGD(0.1))
     assert type(opt) is LossScaleOptimizer
@@ -339,7 +335,7 @@ def test_compile_respects_user_choices_and_other_dtypes():
     assert type(opt) is keras.optimizers.LossScaleOptimizer
 
 
-def test_compile_wraps_unbuilt_subclassed_model():
+def test_compile_wraps_unbuilt_subclassed_model(mixed_policy):
     class Net(keras.Model):
         def __init__(self):
             super().__init__()
@@ -348,12 +344,10 @@ def test_compile_wraps_unbuilt_subclassed_model():
         def call(self, x):
             return self.dense(x)
 
-    kerasmp.set_global_policy("mixed_float16")
     assert type(_compile(Net())) is LossScaleOptimizer
 
 
-def test_dtype_report_rows_and_reasons():
-    kerasmp.set_global_policy("mixed_float16")
+def test_dtype_report_rows_and_reasons(mixed_policy):
     inputs = keras.Input((4,))
     x = keras.layers.Dense(3, name="hidden")(inputs)
     x = keras.layers.Dense(3, name="pinned", dtype="float32")(x)
@@ -373,10 +367,9 @@ def test_dtype_report_rows_and_reasons():
                      text)
 
 
-def test_cli_inspect_prints_saved_model_report(tmp_path, capsys):
+def test_cli_inspect_prints_saved_model_report(tmp_path, capsys, mixed_policy):
     from kerasmp.apps.cli import main
 
-    kerasmp.set_global_policy("mixed_float16")
     model = _block_model()
     path = str(tmp_path / "m.keras")
     model.save(path)
@@ -458,8 +451,7 @@ def test_overridden_outputs_compose_with_float16(block):
     assert inner.ff.compute_dtype == "float16"
 
 
-def test_activations_between_layers_stay_half_precision():
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+def test_activations_between_layers_stay_half_precision(mixed_policy):
     probe_norm, probe_softmax = _Probe(), _Probe()
     model = keras.Sequential([
         keras.Input((8,)),
@@ -478,7 +470,8 @@ def test_activations_between_layers_stay_half_precision():
     assert keras.backend.standardize_dtype(out.dtype) == "float32"
 
 
-def test_attention_probabilities_half_but_softmax_computed_in_float32():
+def test_attention_probabilities_half_but_softmax_computed_in_float32(
+        mixed_policy):
     # Attention over 100k keys: a float16 softmax may overflow its
     # denominator; kerasmp computes it in float32 and hands float16
     # probabilities on, so they still sum to 1.
@@ -492,7 +485,6 @@ def test_attention_probabilities_half_but_softmax_computed_in_float32():
             self.seen = keras.backend.standardize_dtype(scores.dtype)
             return out, scores
 
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     layer = Attend()
     rng = np.random.default_rng(0)
     q = rng.normal(size=(1, 2, 4)).astype("float32")
@@ -570,8 +562,7 @@ def _portable_model():
 
 
 @pytest.mark.slow
-def test_saved_file_loads_without_kerasmp(tmp_path):
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+def test_saved_file_loads_without_kerasmp(tmp_path, mixed_policy):
     model = _portable_model()
     x = np.random.default_rng(2).normal(size=(4, 6, 8)).astype("float32")
     preds = model.predict(x, verbose=0)
@@ -680,7 +671,7 @@ def test_uninstall_restores_stock_keras():
         keras.config.set_dtype_policy("mixed_float16")
         softmax = keras.layers.Softmax()
         assert softmax.compute_dtype == "float16"  # stock: no override
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model = single_dense(4, 2)
         model.compile("sgd", "mse")
         # Stock rule: wrapped by the stock LossScaleOptimizer by name.
         assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
@@ -690,7 +681,7 @@ def test_uninstall_restores_stock_keras():
     assert keras.layers.Softmax().compute_dtype == "float32"
 
 
-def test_dtype_report_paths_are_full_and_unique():
+def test_dtype_report_paths_are_full_and_unique(mixed_policy):
     # Layers without weights keep their parent, MHA's softmaxes get their
     # MHA's path, and same-named layers in different blocks stay apart.
     class Block(keras.layers.Layer):
@@ -702,7 +693,6 @@ def test_dtype_report_paths_are_full_and_unique():
         def call(self, x):
             return self.dropout(self.mha(x, x))
 
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     inputs = keras.Input((4, 8))
     x = Block(name="block_a")(inputs)
     x = Block(name="block_b")(x)

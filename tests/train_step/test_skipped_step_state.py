@@ -19,12 +19,11 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from _models import mlp
 from keras import ops
 
 from kerasmp import train_step as _train_step
 from kerasmp.optimizer import LossScaleOptimizer
-from kerasmp.policy import Policy
-from kerasmp.policy import set_global_policy
 from kerasmp.train_step import jax as _jax_step
 from kerasmp.train_step import tensorflow as _tf_step
 
@@ -33,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cnn(jit, optimizer=None):
-    set_global_policy(Policy("mixed_float16"))
+    """A seeded CNN with BatchNormalization "bn", compiled (the tests build
+    it under `mixed_policy`)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
@@ -75,7 +75,8 @@ def _fit(model, x, y):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_skipped_step_keeps_batch_norm_statistics_without_monitor(jit):
+def test_skipped_step_keeps_batch_norm_statistics_without_monitor(
+        jit, mixed_policy):
     x, y, bad = _batches()
     model = _cnn(jit)
     assert isinstance(model.optimizer, LossScaleOptimizer)
@@ -107,7 +108,7 @@ def test_skipped_step_keeps_batch_norm_statistics_without_monitor(jit):
     assert np.isfinite(model.predict(x, verbose=0)).all()
 
 
-def test_stock_optimizer_keeps_stock_behaviour_with_a_monitor():
+def test_stock_optimizer_keeps_stock_behaviour_with_a_monitor(mixed_policy):
     """Keras's own LossScaleOptimizer is stock Keras: kerasmp's step undoes
     nothing for it, and a monitor changes nothing either (the statistics
     after a skipped step are the same with and without one)."""
@@ -129,7 +130,7 @@ def test_stock_optimizer_keeps_stock_behaviour_with_a_monitor():
         np.testing.assert_array_equal(got, want)
 
 
-def test_applied_steps_update_statistics_as_without_the_guard():
+def test_applied_steps_update_statistics_as_without_the_guard(mixed_policy):
     """The guard changes nothing on applied steps: statistics equal those of
     the stock LossScaleOptimizer under the same policy, on finite data."""
     x, y, _ = _batches()
@@ -146,7 +147,7 @@ def test_applied_steps_update_statistics_as_without_the_guard():
         np.testing.assert_array_equal(got, want)
 
 
-def test_recompiling_with_another_optimizer_removes_the_undo():
+def test_recompiling_with_another_optimizer_removes_the_undo(mixed_policy):
     model = _cnn(False)
     assert _train_step.scaled(model)
     model.compile(
@@ -156,18 +157,14 @@ def test_recompiling_with_another_optimizer_removes_the_undo():
     assert not _train_step.scaled(model)
 
 
-def test_no_guard_work_when_nothing_is_assigned():
+def test_no_guard_work_when_nothing_is_assigned(mixed_policy):
     """A model without forward-assigned variables trains exactly as before
     (the guard adds nothing; weights equal the stock optimizer's)."""
     x, y, _ = _batches()
     x = x.reshape(BATCH, -1)
 
     def dense(optimizer):
-        set_global_policy(Policy("mixed_float16"))
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [keras.Input((36,)), keras.layers.Dense(4), keras.layers.Dense(1)]
-        )
+        model = mlp(36, 4, 1, hidden_activation=None, seed=0)
         model.compile(optimizer=optimizer, loss="mse")
         _fit(model, x, y)
         return model
@@ -267,7 +264,8 @@ def test_skipped_step_keeps_statistics_under_mirrored_strategy():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
+def test_only_variables_the_step_assigns_are_written_back(
+        monkeypatch, jit, mixed_policy):
     """The guard finds, at trace time, which non-trainable variables the
     step writes: batch-norm statistics and the dropout seed yes, a frozen
     layer's weights no (nothing is read or written back for them)."""
@@ -294,7 +292,6 @@ def test_only_variables_the_step_assigns_are_written_back(monkeypatch, jit):
             return pairs
 
         monkeypatch.setattr(_tf_step.Frozen, "assigned", spy)
-    set_global_policy(Policy("mixed_float16"))
     keras.utils.set_random_seed(0)
     frozen = keras.layers.Dense(3, name="frozen")
     model = keras.Sequential([

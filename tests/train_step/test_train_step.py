@@ -14,9 +14,11 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from _models import batch_norm_mlp
+from _models import mlp
+from _models import single_dense
 from keras import ops
 
-import kerasmp
 from kerasmp import train_step as _train_step
 from kerasmp.callbacks import LossScaleMonitor
 from kerasmp.callbacks import NonFiniteMonitor
@@ -32,16 +34,7 @@ def _data():
 
 
 def _model(jit, spe):
-    kerasmp.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(1),
-        ]
-    )
+    model = batch_norm_mlp(seed=3)
     model.compile(
         optimizer=keras.optimizers.SGD(0.05),
         loss="mse",
@@ -72,7 +65,7 @@ def _fit(jit, spe, callbacks):
 
 @pytest.mark.parametrize("spe", [1, 3])
 @pytest.mark.parametrize("jit", [False, True])
-def test_logs_do_not_depend_on_the_monitors(jit, spe):
+def test_logs_do_not_depend_on_the_monitors(jit, spe, mixed_policy):
     plain, w_plain = _fit(jit, spe, [])
     monitors = [LossScaleMonitor(), NonFiniteMonitor(action="warn")]
     watched, w_watched = _fit(jit, spe, monitors)
@@ -95,14 +88,10 @@ def _reference_loss(model, x, y):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_an_epoch_of_skipped_steps_logs_the_real_loss(jit):
+def test_an_epoch_of_skipped_steps_logs_the_real_loss(jit, mixed_policy):
     # Targets of 1000: at the initial scale 2**15 every gradient overflows
     # float16, and 4 steps are too few for the scale to settle.
-    kerasmp.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)]
-    )
+    model = mlp(3, 4, 1, hidden_activation=None, seed=0)
     model.compile(keras.optimizers.SGD(1e-3), "mse", jit_compile=jit)
     x = np.ones((4, 3), "float32")
     y = np.full((4, 1), 1000.0, "float32")
@@ -123,8 +112,7 @@ def test_an_epoch_of_skipped_steps_logs_the_real_loss(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_a_nan_forward_pass_logs_nan_not_zero(jit):
-    kerasmp.set_global_policy("mixed_float16")
+def test_a_nan_forward_pass_logs_nan_not_zero(jit, mixed_policy):
     model = keras.Sequential(
         [
             keras.Input((3,)),
@@ -140,9 +128,9 @@ def test_a_nan_forward_pass_logs_nan_not_zero(jit):
     assert math.isnan(history["loss"][0])
 
 
-def test_installed_by_compile_and_scaled_with_kerasmps_optimizer_only():
-    kerasmp.set_global_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+def test_installed_by_compile_and_scaled_with_kerasmps_optimizer_only(
+        mixed_policy):
+    model = single_dense(3, 1)
     x = np.ones((8, 3), "float32")
     model.compile("sgd", "mse")
     assert isinstance(model.optimizer, LossScaleOptimizer)
@@ -158,7 +146,7 @@ def test_installed_by_compile_and_scaled_with_kerasmps_optimizer_only():
 
 def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
     keras.config.set_dtype_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model = single_dense(3, 1)
     stock = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
     model.compile(stock, "mse")
     assert not _train_step.scaled(model)
@@ -173,7 +161,8 @@ def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
     assert converted.initial_scale == stock.initial_scale
 
 
-def test_the_progress_bar_shows_the_logged_scale_and_skips(capsys):
+def test_the_progress_bar_shows_the_logged_scale_and_skips(
+        capsys, mixed_policy):
     # Documented in docs/monitoring.md ("Limits"): Keras's Progbar prints
     # every log value as a float, a value <= 1e-3 in exponent form.
     x, y = _data()
@@ -195,7 +184,7 @@ def test_the_progress_bar_shows_the_logged_scale_and_skips(capsys):
         assert f"skipped_steps: {skipped:.4f}" in line
     assert history["skipped_steps"][0] >= 1
     # No overflow: 0 skipped steps, in Keras's format for small values.
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model = single_dense(6, 1)
     model.compile(keras.optimizers.SGD(1e-3), "mse")
     model.fit(x[:4] * 1e-3, y[:4] * 1e-3, batch_size=4, verbose=2)
     assert "skipped_steps: 0.0000e+00" in capsys.readouterr().out

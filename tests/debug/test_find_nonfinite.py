@@ -1,4 +1,5 @@
-"""Tests for kerasmp.debug.find_nonfinite.
+"""kerasmp.debug.find_nonfinite: the first non-finite layer output, input
+and gradient, and the loss scale it replays at.
 
 References are independent of the code under test: a float32 twin of each
 model (where nothing overflows), layer outputs recomputed by applying the
@@ -10,6 +11,8 @@ import math
 import keras
 import numpy as np
 import pytest
+from _models import batch_norm_mlp
+from _models import mlp
 from keras import ops
 
 from kerasmp.debug import NonFiniteReport
@@ -205,16 +208,7 @@ def test_first_nonfinite_gradient_in_backprop_order():
 
 def test_model_state_is_restored():
     x, y = _batch()
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(1),
-        ]
-    )
+    model = batch_norm_mlp(hidden_activation=None, dropout=0.5, seed=0)
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     model.evaluate(x, y, verbose=0)  # metrics now hold values
     before = [ops.convert_to_numpy(v.value).copy() for v in model.variables]
@@ -319,3 +313,31 @@ def test_input_out_of_range_named_inside_dict_inputs():
     # In range: nothing reported.
     x["b"][0, 0] = 6e4
     assert find_nonfinite(model, x).inputs_out_of_range == []
+
+
+@pytest.mark.parametrize("stock", [False, True])
+def test_find_nonfinite_uses_the_optimizers_scale_before_the_first_fit(
+        stock, mixed_policy):
+    model = mlp(6, 8, 3, activation="softmax")
+    if stock:
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(), initial_scale=1024.0
+        )
+        expected = 1024.0
+    else:
+        optimizer = "adam"  # compile wraps it: kerasmp.LossScaleOptimizer
+        expected = 2.0**15
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    assert not model.optimizer.built  # before the first step
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    y = np.array([0, 1, 2, 0])
+    report = find_nonfinite(model, x, y)
+    assert report.loss_scale == expected
+    assert f"gradients of loss x {expected:.3g}" in str(report)
+    # Same gradients as asking for that scale explicitly.
+    explicit = find_nonfinite(model, x, y, loss_scale=expected)
+    assert [r.grad_max_abs for r in report.rows] == [
+        r.grad_max_abs for r in explicit.rows
+    ]
+    if not stock:
+        assert report.loss_scale == model.optimizer.loss_scale

@@ -1,6 +1,6 @@
 """kerasmp.policy.workers.check_workers_agree: two MultiWorkerMirroredStrategy
-workers (two processes on 127.0.0.1), the launch of
-tests/test_optimizer_distributed.py, and two JAX processes
+workers (two processes on 127.0.0.1), launched as in
+tests/optimizer/test_optimizer_distributed.py, and two JAX processes
 (`jax.distributed.initialize` with CPU collectives, a
 `keras.distribution.DataParallel` over both).
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import keras
 import pytest
 from _helpers import run_workers
+from _models import single_dense
 
 import kerasmp
 from kerasmp.optimizer import LossScaleOptimizer
@@ -141,9 +142,7 @@ def test_settings_of_one_worker_and_no_op_without_a_strategy():
     with kerasmp.policy_scope(
         kerasmp.Policy("mixed_float16", float32_layers=["head"])
     ):
-        model = keras.Sequential(
-            [keras.Input((4,)), keras.layers.Dense(1, name="head")]
-        )
+        model = single_dense(4, 1, name="head")
     model.compile(
         LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0,
                            dynamic=False),
@@ -158,7 +157,7 @@ def test_settings_of_one_worker_and_no_op_without_a_strategy():
     assert loss_scale["dynamic"] == "False"
     check_workers_agree(model)  # no multi-worker strategy: nothing to do
 
-    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    plain = single_dense(4, 1)
     plain.compile("sgd", "mse")
     assert worker_settings(plain) == {
         "policy": "float32", "float32_layers": "-", "loss_scale": "none"

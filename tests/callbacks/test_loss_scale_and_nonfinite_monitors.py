@@ -1,5 +1,5 @@
-"""Tests for kerasmp.callbacks (LossScaleMonitor, NonFiniteMonitor) and
-kerasmp.plotting.plot_loss_scale.
+"""kerasmp.callbacks' LossScaleMonitor and NonFiniteMonitor in a fit, and
+kerasmp.plotting.plot_loss_scale on what they record.
 
 References: a hand-written PyTorch GradScaler.update trajectory, a probe
 callback that reads the optimizer's variable directly, a float32 twin of each
@@ -17,7 +17,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from _helpers import NaiveSoftmax
+from _models import proj_head
 from keras import ops
 
 from kerasmp.callbacks import LossScaleMonitor
@@ -54,20 +54,8 @@ class ScaleProbe(keras.callbacks.Callback):
         )
 
 
-def _mixed():
-    set_global_policy(Policy("mixed_float16"))
-
-
 def _softmax_model(optimizer=None, seed=1):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, name="proj"),
-            NaiveSoftmax(name="naive_softmax"),
-            keras.layers.Dense(1, name="head"),
-        ]
-    )
+    model = proj_head("naive_softmax", seed=seed)
     model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss="mse")
     return model
 
@@ -129,7 +117,7 @@ def _tensorboard_scalars(log_dir):
 
 @pytest.mark.parametrize("monitors_first", [True, False])
 def test_loss_scale_reaches_history_csv_and_tensorboard(
-    tmp_path, monitors_first
+    tmp_path, monitors_first, mixed_policy
 ):
     """3 epochs x 4 steps; batch 1 of every epoch overflows.
 
@@ -137,7 +125,6 @@ def test_loss_scale_reaches_history_csv_and_tensorboard(
     overflow at scales <= 128 for this model), so the whole trajectory is
     known from PyTorch's GradScaler rule.
     """
-    _mixed()
     x, y = _data(4)
     x[1 * BATCH] = 1e5  # float16 input overflows: inf loss, skipped step
     optimizer = LossScaleOptimizer(
@@ -196,8 +183,7 @@ def test_loss_scale_reaches_history_csv_and_tensorboard(
         pytest.skip("tensorboard is not installed: TensorBoard not checked")
 
 
-def test_batch_logs_carry_the_scale_of_each_step():
-    _mixed()
+def test_batch_logs_carry_the_scale_of_each_step(mixed_policy):
     x, y = _data(4)
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.01), initial_scale=2.0, dynamic_growth_steps=1
@@ -229,8 +215,7 @@ class TraceCounting(keras.Sequential):
         return super().train_step(*args)
 
 
-def test_monitors_trace_the_step_as_often_as_a_plain_fit():
-    _mixed()
+def test_monitors_trace_the_step_as_often_as_a_plain_fit(mixed_policy):
     x, y = _data(4)
 
     def traces(callbacks_per_fit):
@@ -256,8 +241,7 @@ def test_monitors_trace_the_step_as_often_as_a_plain_fit():
     assert TraceCounting.traces == before
 
 
-def test_a_fit_aborted_by_another_callback_leaves_nothing_behind():
-    _mixed()
+def test_a_fit_aborted_by_another_callback_leaves_nothing_behind(mixed_policy):
     x, y = _data(6)
     model = _softmax_model(_safe_scale_optimizer())
 
@@ -342,8 +326,7 @@ def _trouble_from_batch_20(batches=40):
     return x, y
 
 
-def test_stuck_stops_within_patience_and_names_the_layer():
-    _mixed()
+def test_stuck_stops_within_patience_and_names_the_layer(mixed_policy):
     x, y = _trouble_from_batch_20()
     model = _softmax_model(_safe_scale_optimizer())
     monitor = NonFiniteMonitor(action="stop", patience=10)
@@ -382,8 +365,7 @@ def test_stuck_stops_within_patience_and_names_the_layer():
     assert _weights_finite(model)
 
 
-def test_raise_carries_the_same_diagnosis():
-    _mixed()
+def test_raise_carries_the_same_diagnosis(mixed_policy):
     x, y = _trouble_from_batch_20()
     model = _softmax_model(_safe_scale_optimizer())
     with pytest.raises(NonFiniteError) as info:
@@ -422,7 +404,7 @@ def test_fallback_trains_to_the_float32_loss():
         x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0
     )
 
-    _mixed()
+    set_global_policy(Policy("mixed_float16"))
     model = _softmax_model(_safe_scale_optimizer(0.1))
     monitor = NonFiniteMonitor(action="fallback", patience=2)
     history = model.fit(
@@ -452,10 +434,9 @@ def test_fallback_trains_to_the_float32_loss():
     assert _weights_finite(model)
 
 
-def test_calibration_is_normal_and_not_warned():
+def test_calibration_is_normal_and_not_warned(mixed_policy):
     """A scale starting at 2**24 overflows the first steps' gradients: each
     such step halves the scale until an update goes through."""
-    _mixed()
     x, y = _data(12)
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.01), initial_scale=2.0**24
@@ -487,8 +468,8 @@ def test_calibration_is_normal_and_not_warned():
     assert all(e["step"] > len(calibration) for e in later)
 
 
-def test_isolated_overflow_after_calibration_is_recorded_not_acted_on():
-    _mixed()
+def test_isolated_overflow_after_calibration_is_recorded_not_acted_on(
+        mixed_policy):
     x, y = _data(12)
     x[6 * BATCH] = 1e5
     model = _softmax_model(
@@ -545,8 +526,7 @@ def test_nonfinite_loss_without_loss_scaling_stops_like_terminate_on_nan():
     assert monitor.events[1]["variable"].endswith("kernel")
 
 
-def test_log_file_is_json_lines(tmp_path):
-    _mixed()
+def test_log_file_is_json_lines(tmp_path, mixed_policy):
     path = tmp_path / "events.jsonl"
     x, y = _trouble_from_batch_20(24)
     model = _softmax_model(_safe_scale_optimizer())
@@ -621,11 +601,10 @@ def _png_size(path):
     )
 
 
-def test_plot_loss_scale_from_every_source(tmp_path):
+def test_plot_loss_scale_from_every_source(tmp_path, mixed_policy):
     pytest.importorskip("matplotlib")
     from kerasmp.plotting import plot_loss_scale
 
-    _mixed()
     x, y = _trouble_from_batch_20(24)
     model = _softmax_model(_safe_scale_optimizer())
     events = tmp_path / "events.jsonl"
@@ -671,44 +650,6 @@ def test_plot_loss_scale_from_every_source(tmp_path):
 
     with pytest.raises(TypeError, match="source"):
         plot_loss_scale(42, tmp_path / "x.png")
-
-
-def test_plot_loss_scale_without_matplotlib(tmp_path, monkeypatch):
-    import sys
-
-    from kerasmp.plotting import plot_loss_scale
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"kerasmp\[plot\]"):
-        plot_loss_scale({"loss_scale": [1.0]}, tmp_path / "x.png")
-
-
-def test_plotting_is_a_leaf_that_tells_sources_apart(tmp_path):
-    """kerasmp.plotting imports no monitor and no report (kerasmp.debug
-    re-exports plot_gradient_report from it, and the monitors sit above
-    kerasmp.debug), so it knows each source by what it holds: one plot's
-    source is not mistaken for another's."""
-    from test_import_graph import import_graph
-
-    from kerasmp.callbacks import Float8Monitor
-    from kerasmp.debug import NonFiniteReport
-    from kerasmp.plotting import plot_float8
-    from kerasmp.plotting import plot_gradient_report
-    from kerasmp.plotting import plot_loss_scale
-
-    graph = import_graph()
-    allowed = {"kerasmp.float8", "kerasmp.float8.telemetry"}
-    allowed |= {m for m in graph if m.startswith("kerasmp._utils")}
-    assert graph["kerasmp.plotting"] <= allowed
-    with pytest.raises(TypeError, match="LossScaleMonitor"):
-        plot_loss_scale(Float8Monitor(), tmp_path / "x.png")
-    with pytest.raises(TypeError, match="Float8Monitor"):
-        plot_float8(LossScaleMonitor(), tmp_path / "x.png")
-    with pytest.raises(TypeError, match="GradientReport"):
-        plot_gradient_report(
-            NonFiniteReport([], None, None, None, 1.0, {}), tmp_path / "x.png"
-        )
 
 
 _DATA_PARALLEL_SCRIPT = """

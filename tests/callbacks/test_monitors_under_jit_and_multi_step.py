@@ -14,8 +14,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from _helpers import NaiveSoftmax
 from _helpers import slow_on
+from _models import proj_head
+from _models import single_dense
 from keras import ops
 
 from kerasmp.callbacks import LossScaleMonitor
@@ -43,13 +44,7 @@ class StepCounter(keras.callbacks.Callback):
 
 
 def _model(optimizer, jit=False, spe=1, seed=1, softmax=True):
-    set_global_policy(Policy("mixed_float16"))
-    keras.utils.set_random_seed(seed)
-    layers = [keras.Input((4,)), keras.layers.Dense(8, name="proj")]
-    if softmax:
-        layers.append(NaiveSoftmax(name="naive_softmax"))
-    layers.append(keras.layers.Dense(1, name="head"))
-    model = keras.Sequential(layers)
+    model = proj_head("naive_softmax" if softmax else None, seed=seed)
     model.compile(
         optimizer=optimizer,
         loss="mse",
@@ -97,7 +92,8 @@ CONFIGS = [(False, 1), (False, 2), (True, 1), (True, 2)]
 
 
 @pytest.mark.parametrize("jit, spe", CONFIGS)
-def test_loss_scale_follows_grad_scaler_under_jit_and_multi_step(jit, spe):
+def test_loss_scale_follows_grad_scaler_under_jit_and_multi_step(
+        jit, spe, mixed_policy):
     """The first fit of a fresh model: no warm-up, no optimizer.build."""
     x, y = _data(4)
     x = _overflow(x, [1])  # batch 1 of every epoch overflows (forward)
@@ -174,7 +170,7 @@ def _summary(events):
 
 @pytest.mark.parametrize(
     "jit", [pytest.param(False, marks=slow_on("jax")), True])  # eager JAX: 23 s
-def test_multi_step_events_equal_single_step_events(jit):
+def test_multi_step_events_equal_single_step_events(jit, mixed_policy):
     """Issue 10.5: 5 skips, 3 good steps, 8 skips, patience 10: no stuck,
     all steps run, and each event at its own step."""
     single, single_steps, _ = _skip_pattern_run(jit, 1, patience=10)
@@ -206,7 +202,7 @@ def test_multi_step_events_equal_single_step_events(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_stop_under_multi_step_stops_after_the_group(jit):
+def test_stop_under_multi_step_stops_after_the_group(jit, mixed_policy):
     single, single_steps, _ = _skip_pattern_run(jit, 1, 3, action="stop")
     multi, multi_steps, model = _skip_pattern_run(jit, 8, 3, action="stop")
     assert single_steps == 3  # steps 0, 1, 2: stuck at 2
@@ -221,7 +217,8 @@ def test_stop_under_multi_step_stops_after_the_group(jit):
 # forward vs backward overflow
 
 
-def test_forward_overflow_stuck_event_says_forward_and_every_gradient():
+def test_forward_overflow_stuck_event_says_forward_and_every_gradient(
+        mixed_policy):
     x, y = _data(8)
     x = _overflow(x, range(8))
     optimizer = LossScaleOptimizer(
@@ -251,7 +248,7 @@ def test_forward_overflow_stuck_event_says_forward_and_every_gradient():
         assert e["overflow_in"] == "forward" and e["loss_finite"] is False
 
 
-def test_backward_only_overflow_says_backward():
+def test_backward_only_overflow_says_backward(mixed_policy):
     """A fixed scale of 2**22 overflows the scaled gradients (|g| ~ 0.1..1)
     in float16 while the loss stays finite."""
     x, y = _data(6)
@@ -280,7 +277,7 @@ def test_backward_only_overflow_says_backward():
     assert "forward pass" not in stuck["message"]
 
 
-def test_fallback_warns_naming_the_layer_and_restores_the_scale():
+def test_fallback_warns_naming_the_layer_and_restores_the_scale(mixed_policy):
     """Every batch overflows the float16 softmax; after the fallback the
     scale is the one before the run of skips, not the backed-off one (which
     would otherwise stay for dynamic_growth_steps=2000 steps)."""
@@ -303,7 +300,7 @@ def test_fallback_warns_naming_the_layer_and_restores_the_scale():
     assert model.optimizer.skipped_steps == 3
 
 
-def test_skipped_forward_nan_does_not_poison_the_epoch_loss():
+def test_skipped_forward_nan_does_not_poison_the_epoch_loss(mixed_policy):
     """Batch 2 of 6 overflows in the forward pass and is skipped. With a
     monitor or without, the epoch's loss averages the 5 applied steps (equal
     to a fit without that batch) and TerminateOnNaN lets the run finish."""
@@ -348,7 +345,7 @@ def test_nan_loss_on_applied_steps_is_still_nan():
     x, y = _data(4)
     x[2 * BATCH] = np.nan
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model = single_dense(4, 1)
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     monitor = NonFiniteMonitor(action="warn", locate=False)
     with pytest.warns(NonFiniteWarning):
@@ -373,7 +370,8 @@ def test_patience_accepts_numpy_integers_and_rejects_bools():
             NonFiniteMonitor(patience=bad)
 
 
-def test_unwritable_log_file_warns_once_and_training_continues(tmp_path):
+def test_unwritable_log_file_warns_once_and_training_continues(
+        tmp_path, mixed_policy):
     directory = tmp_path / "logs"
     directory.mkdir()
     monitor = NonFiniteMonitor(
@@ -410,7 +408,7 @@ def _failing_batches(x, y):
         yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
 
 
-def test_a_fit_that_raises_leaves_the_next_fit_as_usual():
+def test_a_fit_that_raises_leaves_the_next_fit_as_usual(mixed_policy):
     x, y = _data(6)
     model = _model(
         LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=8.0)
@@ -430,7 +428,7 @@ def test_a_fit_that_raises_leaves_the_next_fit_as_usual():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_skipped_step_leaves_batch_norm_statistics(jit):
+def test_skipped_step_leaves_batch_norm_statistics(jit, mixed_policy):
     """Batch 2 of 5 overflows in the forward pass: with a monitor the skipped
     step leaves the moving statistics as they were, so they equal those of a
     fit on the same data without that batch (and stay finite)."""
@@ -438,16 +436,7 @@ def test_skipped_step_leaves_batch_norm_statistics(jit):
     bad = _overflow(x, [2])
 
     def fit(x, y, callbacks):
-        set_global_policy(Policy("mixed_float16"))
-        keras.utils.set_random_seed(3)
-        model = keras.Sequential(
-            [
-                keras.Input((4,)),
-                keras.layers.Dense(8, name="proj"),
-                keras.layers.BatchNormalization(name="bn"),
-                keras.layers.Dense(1, name="head"),
-            ]
-        )
+        model = proj_head("batch_norm", seed=3)
         model.compile(
             optimizer=LossScaleOptimizer(
                 keras.optimizers.SGD(0.01), initial_scale=8.0

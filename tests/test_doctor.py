@@ -1,4 +1,5 @@
-"""kerasmp doctor: never fails on a CPU box, advice follows the hardware."""
+"""kerasmp.doctor and `kerasmp doctor`: never fails on a CPU box, advice
+follows the hardware or, given a `kerasmp bench` file, the measurements."""
 
 import json
 
@@ -42,6 +43,44 @@ def test_cpu_with_bf16_instructions_mentions_bfloat16_on_tensorflow():
     assert "kerasmp doctor --bench bench.json" in reason
     _, reason, warnings = recommend([cpu], backend="jax")
     assert not any("mixed_bfloat16" in w for w in [reason, *warnings])
+
+
+def _bench(ratios):
+    """A `kerasmp bench --json` result: float32 and mixed_bfloat16 rows,
+    the latter at `ratios` ({model: speed-up})."""
+    rows = [{"model": m, "policy": "float32", "speedup_vs_baseline": 1.0}
+            for m in ratios]
+    rows += [{"model": m, "policy": "mixed_bfloat16", "speedup_vs_baseline": r}
+             for m, r in ratios.items()]
+    return {"baseline": "float32", "device": "a CPU", "rows": rows}
+
+
+def test_doctor_recommends_on_bench_measurements():
+    cpu = [Device("cpu", "cpu", bf16_instructions=True)]
+    # The issue's `bench --quick`: mixed_bfloat16 1.57x and 1.15x float32.
+    policy, reason, _ = recommend(
+        cpu, bench=_bench({"transformer": 1.57, "mlp": 1.15}))
+    assert policy == "mixed_bfloat16"
+    assert "measured by kerasmp bench" in reason
+    assert "mlp x1.15" in reason and "transformer x1.57" in reason
+    # Slower on one model: float32, saying why.
+    policy, reason, _ = recommend(
+        cpu, bench=_bench({"transformer": 1.57, "mlp": 0.94}))
+    assert policy == "float32"
+    assert "mlp x0.94" in reason and "No mixed policy" in reason
+
+
+def test_doctor_bench_flag_reads_a_bench_file(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_bench({"cnn": 1.3})))
+    assert main(["doctor", "--json", "--bench", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    if not any(d["kind"] in ("gpu", "tpu") for d in report["devices"]):
+        assert report["recommended_policy"] == "mixed_bfloat16"
+        assert "cnn x1.30" in report["reason"]
+    (tmp_path / "bad.json").write_text("[1]")
+    assert main(["doctor", "--bench", str(tmp_path / "bad.json")]) == 2
+    assert "--bench" in capsys.readouterr().err
 
 
 def test_cli_doctor_json_on_this_machine(capsys):
