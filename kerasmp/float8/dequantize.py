@@ -2,7 +2,9 @@
 
 import keras
 
+from kerasmp import _keras_internals as _ki
 from kerasmp._utils.arrays import to_numpy
+from kerasmp._utils.layers import walk
 from kerasmp.float8.layers import float8_layers
 from kerasmp.float8.policies import POLICY_CLASSES
 from kerasmp.float8.rule import Float8Rule
@@ -75,14 +77,33 @@ def dequantize(model):
         qdq = keras.quantizers.quantize_and_dequantize(
             keras.ops.convert_to_tensor(to_numpy(layer.kernel)), scale,
             "float8_e4m3fn", "float32")
-        quantized[layer.kernel.path] = to_numpy(qdq)
-    source = {v.path: v for v in model.weights}
-    for v in plain.weights:
-        if v.path not in source:
-            raise ValueError(
-                f"Cannot dequantize: the copy's variable {v.path!r} has no "
-                "counterpart in the model (does its config round-trip?)."
-            )
-        value = quantized.get(v.path)
-        v.assign(to_numpy(source[v.path]) if value is None else value)
+        quantized[id(layer.kernel)] = to_numpy(qdq)
+    for copy, source in _pairs(model, plain):
+        value = quantized.get(id(source))
+        copy.assign(to_numpy(source) if value is None else value)
     return plain
+
+
+def _pairs(model, plain):
+    """`(copy's variable, model's variable)` for every variable of the
+    copy, paired by layer path (`walk`) and variable name: the same config
+    builds the same layers, but a model built in memory and its rebuilt
+    copy can name their variables' paths differently (`sequential/first/
+    kernel` and `first/kernel`)."""
+    source = {path: layer for path, layer in walk(model)}
+    source[""] = model
+    pairs = []
+    for path, layer in [("", plain)] + list(walk(plain)):
+        owner = source.get(path)
+        by_name = {v.name: v for v in _ki.own_variables(owner)} if (
+            owner is not None) else {}
+        for v in _ki.own_variables(layer):
+            if v.name not in by_name:
+                raise ValueError(
+                    f"Cannot dequantize: the copy's variable "
+                    f"{path + '/' if path else ''}{v.name} has no "
+                    "counterpart in the model (does its config "
+                    "round-trip?)."
+                )
+            pairs.append((v, by_name[v.name]))
+    return pairs
