@@ -19,7 +19,15 @@ class _DefaultScale(float):
     bounds exclude it, where an explicit value raises."""
 
 
+class _DefaultSteps(int):
+    """The default `dynamic_growth_steps` (2000), told apart from an
+    explicit 2000 by identity (a stock optimizer's own interval is kept
+    unless one is given)."""
+
+
+DEFAULT_GROWTH_STEPS = _DefaultSteps(2000)
 DEFAULT_INITIAL_SCALE = _DefaultScale(2.0**15)
+AUTO = "auto"
 DEFAULT_MIN_SCALE = 1.0
 DEFAULT_MAX_SCALE = 2.0**24
 
@@ -147,10 +155,11 @@ def validate(
             f"None or a number from min_scale ({min_scale!r}) to the "
             f"largest finite float32, {_MAX_TEXT}",
         )
-    if initial_scale is DEFAULT_INITIAL_SCALE:
+    if initial_scale is DEFAULT_INITIAL_SCALE or initial_scale == AUTO:
         # Bounds that exclude the default move it rather than raise about
-        # an argument the user never passed.
-        default = float(initial_scale)
+        # an argument the user never passed; "auto" starts at 1 (its first
+        # step sets the scale).
+        default = 1.0 if initial_scale == AUTO else float(initial_scale)
         if max_scale is not None:
             default = min(default, max_scale)
         return float(max(default, min_scale))
@@ -169,6 +178,6 @@ def validate(
         "initial_scale",
         initial_scale,
         in_range,
-        f"a number from min_scale ({min_scale!r}) to {upper}",
+        f'"auto" or a number from min_scale ({min_scale!r}) to {upper}',
     )
     return float(initial_scale)

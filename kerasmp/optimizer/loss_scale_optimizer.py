@@ -22,6 +22,8 @@ from keras import ops
 
 from kerasmp import _keras_internals as _ki
 from kerasmp._utils.arrays import to_numpy
+from kerasmp.optimizer.arguments import AUTO
+from kerasmp.optimizer.arguments import DEFAULT_GROWTH_STEPS
 from kerasmp.optimizer.arguments import DEFAULT_INITIAL_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MAX_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MIN_SCALE
@@ -61,12 +63,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     starts where it would have started anyway.
 
     Args:
-        inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
-        initial_scale: starting loss scale, in `[min_scale, max_scale]`.
-            Defaults to 2**15, moved into that range when `min_scale` or
-            `max_scale` excludes it (an explicit value outside raises).
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap, or
+            Keras's own `keras.optimizers.LossScaleOptimizer` (the
+            TensorFlow guide's): its inner optimizer is wrapped, with its
+            initial scale (its current scale once it has trained) and its
+            growth interval unless those are given here.
+        initial_scale: starting loss scale, in `[min_scale, max_scale]`, or
+            `"auto"`: start at 1 and let the first applied step pick the
+            scale from its own gradients (the largest power of two keeping
+            the largest gradient 8 times below float16's 65504; no extra
+            pass). Defaults to 2**15, moved into that range when
+            `min_scale` or `max_scale` excludes it (an explicit value
+            outside raises).
         dynamic_growth_steps: consecutive finite steps before the scale
-            grows (an integer, at most 2**31 - 1).
+            grows (an integer, at most 2**31 - 1). Defaults to 2000.
         growth_factor: factor (> 1) applied when the scale grows; it must
             stay above 1 and finite when rounded to float32.
         backoff_factor: factor in (0, 1) applied when the scale backs off;
@@ -102,7 +112,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self,
         inner_optimizer,
         initial_scale=DEFAULT_INITIAL_SCALE,
-        dynamic_growth_steps=2000,
+        dynamic_growth_steps=DEFAULT_GROWTH_STEPS,
         growth_factor=2.0,
         backoff_factor=0.5,
         hysteresis=1,
@@ -113,6 +123,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name=None,
         **kwargs,
     ):
+        if _is_stock(inner_optimizer):
+            stock = inner_optimizer
+            inner_optimizer = stock.inner_optimizer
+            if initial_scale is DEFAULT_INITIAL_SCALE:
+                initial_scale = _current_scale(stock)
+            if dynamic_growth_steps is DEFAULT_GROWTH_STEPS:
+                dynamic_growth_steps = stock.dynamic_growth_steps
+            name = stock.name if name is None else name
+        auto = isinstance(initial_scale, str) and initial_scale == AUTO
         initial_scale = validate(
             inner_optimizer,
             initial_scale=initial_scale,
@@ -132,6 +151,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
             **kwargs,
         )
+        self.auto = auto
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.hysteresis = int(hysteresis)
@@ -197,6 +217,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             max_scale=self.max_scale,
             dynamic=self.dynamic,
             accumulation_steps=self._accumulation_steps,
+            auto=self.auto,
         )
 
     def state_variables(self):
@@ -211,6 +232,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         }
         if self._accumulation_steps:
             state["discard"] = self.discarded_micro_steps
+        if self._accumulation_steps or self.auto:
             state["inner_iterations"] = _ki.optimizer_iterations(
                 self.inner_optimizer
             )
@@ -259,7 +281,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._jax_apply(grads, trainable_variables)
         else:
             self._stateful_apply(
-                grads, trainable_variables, self.check_finite(grads)
+                grads, trainable_variables, self.check_finite(grads),
+                self._peak(
+                    grads, _ki.optimizer_iterations(self.inner_optimizer)
+                ),
             )
 
     def _apply_inner(self, grads, trainable_variables):
@@ -271,31 +296,44 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             trainable_variables=trainable_variables,
         )
 
-    def _finite_step(self, apply_fn):
+    def _peak(self, grads, iterations):
+        """With `initial_scale="auto"`: the largest |gradient| while no step
+        has been applied yet (`iterations`, the inner optimizer's, is 0),
+        the value the first applied step picks the scale from; else None.
+        """
+        if not self.auto:
+            return None
+        return ops.cond(
+            ops.equal(iterations, 0),
+            lambda: _max_abs(grads),
+            lambda: ops.zeros((), "float32"),
+        )
+
+    def _finite_step(self, apply_fn, peak=None):
         """Applies (unless the accumulation window is being discarded), then
         updates the state as after a finite step."""
         if self._accumulation_steps:
             ops.cond(ops.equal(self.discarded_micro_steps, 0), apply_fn, _no_op)
         else:
             apply_fn()
-        self._update_state(True)
+        self._update_state(True, peak)
 
-    def _stateful_apply(self, grads, trainable_variables, finite):
+    def _stateful_apply(self, grads, trainable_variables, finite, peak=None):
         """Applies or skips, then updates the scale state (TF, torch)."""
         ops.cond(
             finite,
             lambda: self._finite_step(
-                lambda: self._apply_inner(grads, trainable_variables)
+                lambda: self._apply_inner(grads, trainable_variables), peak
             ),
             lambda: self._update_state(False),
         )
 
-    def _update_state(self, finite):
+    def _update_state(self, finite, peak=None):
         variables = self.state_variables()
         before = ScaleState(
             **{k: ops.convert_to_tensor(v) for k, v in variables.items()}
         )
-        after, reset = next_state(self.scale_rule, before, finite)
+        after, reset = next_state(self.scale_rule, before, finite, peak)
         for key, value in after.changed(before).items():
             variables[key].assign(ops.cast(value, variables[key].dtype))
         if reset is not False:
@@ -310,17 +348,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
+        iterations = _ki.optimizer_iterations(self.inner_optimizer)
         if not tf.distribute.has_strategy():
             self._stateful_apply(
-                grads, trainable_variables, self.check_finite(grads)
+                grads, trainable_variables, self.check_finite(grads),
+                self._peak(grads, iterations),
             )
             return
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             # Pure replica context: agree on the flag with an all-reduce.
-            overflows = tf.distribute.get_replica_context().all_reduce(
+            context = tf.distribute.get_replica_context()
+            overflows = context.all_reduce(
                 tf.distribute.ReduceOp.SUM, self._overflow_count(grads)
             )
-            self._stateful_apply(grads, trainable_variables, overflows == 0)
+            peak = self._peak(grads, iterations)
+            if peak is not None:
+                peak = context.all_reduce(tf.distribute.ReduceOp.MAX, peak)
+            self._stateful_apply(
+                grads, trainable_variables, overflows == 0, peak
+            )
             return
 
         def merge_fn(distribution, grads, trainable_variables):
@@ -333,6 +379,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             overflows = distribution.reduce(
                 tf.distribute.ReduceOp.SUM, per_replica, axis=None
             )
+            peak = None
+            if self.auto:
+                peak = distribution.reduce(
+                    tf.distribute.ReduceOp.MAX,
+                    distribution.extended.call_for_each_replica(
+                        self._peak, args=(grads, iterations)
+                    ),
+                    axis=None,
+                )
             # The cond must sit in cross-replica context: the inner apply
             # calls merge_call, which a cond in replica context forbids. The
             # state is updated here too, so every copy gets the same value.
@@ -341,7 +396,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 lambda: self._finite_step(
                     lambda: distribution.extended.call_for_each_replica(
                         self._apply_inner, args=(grads, trainable_variables)
-                    )
+                    ),
+                    peak,
                 ),
                 lambda: self._update_state(False),
             )
@@ -396,6 +452,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         })
 
         finite = self.check_finite(grads)
+        peak = None
+        if self.auto:
+            peak = self._peak(grads, before.inner_iterations)
         apply_now = finite
         if self._accumulation_steps:
             apply_now = ops.logical_and(finite, before.discard == 0)
@@ -413,11 +472,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             apply_now, apply_inner, lambda: (trainable_variables, inner_values)
         )
         new_values = optimizer_variables[:own_count] + list(new_inner)
-        if self._accumulation_steps:
+        if before.inner_iterations is not None:
             # After the inner update, as the stateful path reads it.
             i = index[id(_ki.optimizer_iterations(self.inner_optimizer))]
             before = dataclasses.replace(before, inner_iterations=new_values[i])
-        after, reset = next_state(self.scale_rule, before, finite)
+        after, reset = next_state(self.scale_rule, before, finite, peak)
         for key, value in after.changed(before).items():
             i = index[id(state_variables[key])]
             new_values[i] = ops.cast(value, new_values[i].dtype)
@@ -434,6 +493,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def get_config(self):
         config = super().get_config()
+        if self.auto:
+            config["initial_scale"] = AUTO
         config.update(
             {
                 "growth_factor": self.growth_factor,
@@ -467,6 +528,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 def _no_op():
     return None
+
+
+def _is_stock(optimizer):
+    """Whether `optimizer` is Keras's own LossScaleOptimizer (not kerasmp's)."""
+    return isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ) and not isinstance(optimizer, LossScaleOptimizer)
+
+
+def _current_scale(optimizer):
+    """A stock LossScaleOptimizer's scale: its current one once built."""
+    scale = getattr(optimizer, "dynamic_scale", None)
+    if scale is None:
+        return float(optimizer.initial_scale)
+    return float(to_numpy(scale))
+
+
+def _max_abs(grads):
+    """The largest |value| over all gradients, as a float32 scalar."""
+    peaks = [
+        ops.max(ops.abs(ops.cast(_values(g), "float32")))
+        for g in grads
+        if g is not None
+    ]
+    return ops.max(ops.stack(peaks)) if peaks else ops.zeros((), "float32")
 
 
 

@@ -15,6 +15,12 @@ import dataclasses
 
 from keras import ops
 
+from kerasmp._utils.arrays import FLOAT16_MAX
+
+AUTO_MARGIN = 8.0
+"""How far below float16's largest value `initial_scale="auto"` keeps the
+largest gradient (`gradient_report`'s default `margin`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ScaleRule:
@@ -34,6 +40,8 @@ class ScaleRule:
         dynamic: False keeps the scale fixed.
         accumulation_steps: The inner optimizer's gradient accumulation
             window (0 without accumulation).
+        auto: Whether the first applied step picks the scale from its
+            gradients (`initial_scale="auto"`, see `auto_scale`).
     """
 
     growth_steps: int
@@ -45,6 +53,7 @@ class ScaleRule:
     max_scale: object
     dynamic: bool
     accumulation_steps: int = 0
+    auto: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +70,9 @@ class ScaleState:
             gradients were not finite).
         discard: With gradient accumulation, the micro-steps left to
             ignore in a window that overflowed; else None.
-        inner_iterations: With gradient accumulation, the inner
-            optimizer's micro-step counter; else None.
+        inner_iterations: With gradient accumulation or an "auto" scale,
+            the inner optimizer's (micro-)step counter after the step; else
+            None.
     """
 
     scale: object
@@ -97,13 +107,16 @@ class ScaleState:
         }
 
 
-def next_state(rule, state, finite):
+def next_state(rule, state, finite, peak=None):
     """The state after one step, given whether all gradients are finite.
 
     Args:
         rule: A `ScaleRule`.
         state: The `ScaleState` before the step.
         finite: A scalar bool tensor, or a Python bool.
+        peak: With `rule.auto`, the largest |gradient| of the step as it
+            was computed (scaled), read on the first applied step; else
+            None.
 
     Returns:
         `(new_state, reset_accumulators)`: the `ScaleState` after the step
@@ -116,7 +129,8 @@ def next_state(rule, state, finite):
     spends the hysteresis budget (the scale backs off to
     `max(scale * backoff_factor, min_scale)` once the budget is at 1); after
     `growth_steps` consecutive finite steps the scale grows to
-    `min(scale * growth_factor, max_scale)` unless that is not finite.
+    `min(scale * growth_factor, max_scale)` unless that is not finite. With
+    `rule.auto`, the first applied step sets the scale to `auto_scale`.
 
     Example:
 
@@ -145,6 +159,10 @@ def next_state(rule, state, finite):
     scale, budget = state.scale, state.budget
     if rule.dynamic:
         scale, budget = _scale_and_budget(rule, state, overflow, finite, grow)
+    if rule.auto and peak is not None and finite is not False:
+        first = _and(finite, ops.equal(state.inner_iterations, 1))
+        scale = _where(first, auto_scale(rule, peak, state.scale), scale)
+        counter = _where(first, 0, counter)
     discard, inner, reset = state.discard, state.inner_iterations, False
     if rule.accumulation_steps:
         discard, inner, reset = _accumulation(rule, state, overflow)
@@ -154,6 +172,35 @@ def next_state(rule, state, finite):
         inner_iterations=inner,
     )
     return new, reset
+
+
+def auto_scale(rule, peak, scale):
+    """The scale `initial_scale="auto"` picks from one step's gradients.
+
+    The gradients were computed at `scale`, so their largest unscaled
+    magnitude is `peak / scale`; the scale is the largest power of two that
+    keeps it `AUTO_MARGIN` (8) times below float16's largest value, 65504
+    (the margin `gradient_report` recommends under), within
+    `[min_scale, max_scale]`. All-zero gradients say nothing: the scale is
+    kept.
+
+    Args:
+        rule: A `ScaleRule`.
+        peak: The step's largest |gradient| (scaled), a float32 tensor.
+        scale: The scale the gradients were computed at.
+
+    Example:
+
+    >>> rule = ScaleRule(2000, 2.0, 0.5, 1, False, 1.0, 2.0**24, True)
+    >>> float(auto_scale(rule, ops.convert_to_tensor(3.0), 1.0))
+    2048.0
+    """
+    unscaled = peak / scale
+    exponent = ops.floor(ops.log2(FLOAT16_MAX / (AUTO_MARGIN * unscaled)))
+    picked = ops.power(2.0, exponent)
+    upper = rule.max_scale if rule.max_scale is not None else 2.0**126
+    picked = ops.clip(picked, rule.min_scale, upper)
+    return ops.where(unscaled > 0, picked, scale)
 
 
 def _scale_and_budget(rule, state, overflow, finite, grow):

@@ -281,8 +281,10 @@ def test_bad_inner_optimizer():
         LossScaleOptimizer("sgd")
     with pytest.raises(ValueError, match="`inner_optimizer`.*not a Loss"):
         LossScaleOptimizer(LossScaleOptimizer(_sgd()))
-    with pytest.raises(ValueError, match="`inner_optimizer`.*not a Loss"):
-        LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(_sgd()))
+    # Keras's own is unwrapped instead (tests/policy/test_stock_policy.py).
+    inner = _sgd()
+    assert LossScaleOptimizer(
+        keras.optimizers.LossScaleOptimizer(inner)).inner_optimizer is inner
 
 
 def test_edges_of_the_ranges_are_accepted():
@@ -320,8 +322,8 @@ def test_messages_read_naturally():
         ),
         (
             {"initial_scale": math.nan},
-            "`initial_scale` must be a number from min_scale (1.0) to "
-            "max_scale (16777216.0); received initial_scale=nan.",
+            '`initial_scale` must be "auto" or a number from min_scale '
+            "(1.0) to max_scale (16777216.0); received initial_scale=nan.",
         ),
         (
             {"dynamic": "False"},
@@ -1166,3 +1168,43 @@ def test_same_trajectory_and_weights_as_stock_where_stock_is_correct():
         np.testing.assert_array_equal(
             ops.convert_to_numpy(v_ours), ops.convert_to_numpy(v_stock)
         )
+
+
+# ------------------------------------------------ initial_scale="auto"
+
+
+def test_auto_scale_is_picked_by_the_first_applied_step():
+    # Starts at 1; the first step's largest gradient is 3 (unscaled at
+    # scale 1), so the scale becomes the largest power of two keeping it
+    # 8 times below 65504: 65504 / 24 = 2729.3 -> 2048. The step itself is
+    # applied (SGD lr=1: 1 - 3 = -2 on that element).
+    opt = LossScaleOptimizer(_sgd(), initial_scale="auto")
+    assert opt.loss_scale == 1.0
+    stepper = Stepper(opt)
+    state = stepper.step(True, value=3.0)
+    assert state["scale"] == 2048.0 and state["skipped"] == 0
+    np.testing.assert_allclose(ops.convert_to_numpy(stepper.var), -2.0)
+    # Later steps follow the ordinary rule (no second calibration).
+    state = stepper.step(True, value=2048.0 * 100.0)
+    assert state["scale"] == 2048.0 and state["iterations"] == 2
+
+
+def test_auto_scale_skips_an_overflow_then_calibrates_on_the_next_step():
+    opt = LossScaleOptimizer(_sgd(), initial_scale="auto", min_scale=1.0)
+    stepper = Stepper(opt)
+    state = stepper.step(False)
+    assert state["skipped"] == 1 and state["scale"] == 1.0
+    # Gradients at scale 1 of 0.5: 65504 / 4 = 16376 -> 8192.
+    state = stepper.step(True, value=0.5)
+    assert state["scale"] == 8192.0 and state["iterations"] == 1
+
+
+def test_auto_scale_keeps_to_the_bounds_and_saves_as_auto():
+    opt = LossScaleOptimizer(_sgd(), initial_scale="auto", max_scale=512.0)
+    assert Stepper(opt).step(True, value=1e-3)["scale"] == 512.0
+    config = opt.get_config()
+    assert config["initial_scale"] == "auto"
+    restored = LossScaleOptimizer.from_config(config)
+    assert restored.auto and restored.loss_scale == 1.0
+    with pytest.raises(ValueError, match='"auto" or a number'):
+        LossScaleOptimizer(_sgd(), initial_scale="automatic")

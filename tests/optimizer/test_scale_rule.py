@@ -150,3 +150,19 @@ def test_an_overflow_discards_its_accumulation_window():
     assert int(ops.convert_to_numpy(after.inner_iterations)) == 4
     assert int(ops.convert_to_numpy(after.discard)) == 1
     assert bool(ops.convert_to_numpy(reset))
+
+
+@pytest.mark.parametrize("peak, scale, expected", [
+    (3.0, 1.0, 2048.0),      # 65504 / (8 * 3) = 2729.3
+    (3.0, 4.0, 8192.0),      # unscaled 0.75: 65504 / 6 = 10917.3
+    (1e-9, 1.0, 2.0**24),    # capped at max_scale
+    (1e4, 1.0, 1.0),         # raised to min_scale (65504 / 8e4 < 1)
+    (0.0, 16.0, 16.0),       # all-zero gradients: the scale is kept
+])
+def test_auto_scale_is_the_largest_power_of_two_with_the_margin(
+        peak, scale, expected):
+    from kerasmp.optimizer.scale_rule import auto_scale
+
+    picked = auto_scale(_rule(), ops.convert_to_tensor(np.float32(peak)),
+                        ops.convert_to_tensor(np.float32(scale)))
+    assert float(ops.convert_to_numpy(picked)) == expected
