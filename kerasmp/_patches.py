@@ -24,10 +24,12 @@ from `kerasmp._keras_internals`:
 4. Compile. `Trainer.compile` decides loss scaling: when a model has layers
    governed by a `kerasmp.Policy` and any trainable layer computes in
    float16, a plain optimizer is wrapped once in
-   `kerasmp.LossScaleOptimizer` (an optimizer that already is a
-   `keras.optimizers.LossScaleOptimizer` is kept); bfloat16 and float32
+   `kerasmp.LossScaleOptimizer`; bfloat16 and float32
    models get no loss scaling, and `compile(..., auto_scale_loss=False)`
-   turns it off as in stock Keras. Then, for every model,
+   turns it off as in stock Keras; Keras's own
+   `keras.optimizers.LossScaleOptimizer` (the TensorFlow guide's) becomes
+   kerasmp's, with the same inner optimizer and settings, and a one-time
+   warning says so. Then, for every model,
    `kerasmp.train_step` installs kerasmp's train step, and for a governed
    model under a multi-worker strategy every worker checks that all have
    the same precision settings.
@@ -141,15 +143,17 @@ def _compile(self, *args, **kwargs):
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
-    if arguments["auto_scale_loss"] and plan.needs_loss_scaling:
-        optimizer = keras.optimizers.get(arguments["optimizer"])
-        if optimizer is not None and not isinstance(
-            optimizer, keras.optimizers.LossScaleOptimizer
-        ):
-            optimizer = LossScaleOptimizer(
-                optimizer, name="loss_scale_optimizer"
-            )
-        arguments["optimizer"] = optimizer
+    optimizer = keras.optimizers.get(arguments["optimizer"])
+    if _is_stock_loss_scale_optimizer(optimizer):
+        # The TensorFlow guide's optimizer: same inner optimizer and
+        # settings, kerasmp's bounded scale and skipped-step undo.
+        optimizer = LossScaleOptimizer(optimizer)
+        _stock_policy.say_stock_optimizer_replaced()
+    elif (arguments["auto_scale_loss"] and plan.needs_loss_scaling
+          and optimizer is not None
+          and not isinstance(optimizer, LossScaleOptimizer)):
+        optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    arguments["optimizer"] = optimizer
     # kerasmp has decided; keep stock Keras's name-based rule out of it.
     arguments["auto_scale_loss"] = False
     result = original(*bound.args, **bound.kwargs)
@@ -158,6 +162,12 @@ def _compile(self, *args, **kwargs):
     # all train with the same precision settings (a no-op in one process).
     check_workers_agree(self, plan=plan)
     return result
+
+
+def _is_stock_loss_scale_optimizer(optimizer):
+    return isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ) and not isinstance(optimizer, LossScaleOptimizer)
 
 
 def install():

@@ -39,3 +39,15 @@ class StockPolicyWarning(UserWarning):
     TensorFlow guide's first line) sets, not a `kerasmp.Policy`. The message
     names the one line to change: `kerasmp.set_global_policy(...)`.
     """
+
+
+class StockOptimizerWarning(UserWarning):
+    """`compile` replaced Keras's own `LossScaleOptimizer` with kerasmp's.
+
+    Issued once per process when a model that a `kerasmp.Policy` governs is
+    compiled with `keras.optimizers.LossScaleOptimizer(...)` (the TensorFlow
+    guide's): kerasmp's `LossScaleOptimizer` takes its place, with the same
+    inner optimizer and settings, so that the scale is bounded and skipped
+    steps are undone. Compile with `kerasmp.LossScaleOptimizer(...)` to
+    avoid it.
+    """

@@ -1,4 +1,4 @@
-"""The warning for a user who follows the TensorFlow mixed-precision guide.
+"""The warnings for a user who follows the TensorFlow mixed-precision guide.
 
 The guide's first step is `keras.mixed_precision.set_global_policy(
 "mixed_float16")`. With kerasmp imported, that line sets Keras's own policy:
@@ -13,10 +13,11 @@ import warnings
 
 import keras
 
+from kerasmp.errors import StockOptimizerWarning
 from kerasmp.errors import StockPolicyWarning
 
 _MIXED = ("mixed_float16", "mixed_bfloat16")
-_warned = False
+_warned = set()  # which of the warnings were shown
 
 
 def stock_mixed_policy(model):
@@ -40,13 +41,12 @@ def warn_if_stock_mixed_policy(model):
     """Warns once per process (`StockPolicyWarning`) when `compile` runs
     under a stock mixed global policy; the warning points at the caller of
     `compile`."""
-    global _warned
-    if _warned:
+    if "policy" in _warned:
         return
     name = stock_mixed_policy(model)
     if name is None:
         return
-    _warned = True
+    _warned.add("policy")
     warnings.warn(
         f"kerasmp: the global dtype policy is Keras's own {name!r} (set by "
         f"keras.mixed_precision.set_global_policy({name!r}) or "
@@ -56,5 +56,23 @@ def warn_if_stock_mixed_policy(model):
         f"that line to kerasmp.set_global_policy({name!r}), before building "
         "the model. (This warning is shown once.)",
         StockPolicyWarning,
+        stacklevel=3,
+    )
+
+
+def say_stock_optimizer_replaced():
+    """Warns once per process (`StockOptimizerWarning`) that `compile` put
+    `kerasmp.LossScaleOptimizer` in place of Keras's own; the warning
+    points at the caller of `compile`."""
+    if "optimizer" in _warned:
+        return
+    _warned.add("optimizer")
+    warnings.warn(
+        "kerasmp: compile uses kerasmp.LossScaleOptimizer in place of "
+        "keras.optimizers.LossScaleOptimizer (same inner optimizer and "
+        "settings), so that the loss scale stays bounded and skipped steps "
+        "are undone. Pass kerasmp.LossScaleOptimizer(...) to compile to "
+        "avoid this message. (This warning is shown once.)",
+        StockOptimizerWarning,
         stacklevel=3,
     )

@@ -316,8 +316,11 @@ def test_compile_respects_user_choices_and_other_dtypes():
     assert type(_compile(_mlp())) is keras.optimizers.Adam
 
     kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
+    # Keras's own (the TF guide's) becomes kerasmp's, same inner optimizer.
     stock = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
-    assert _compile(_mlp(), stock) is stock
+    converted = _compile(_mlp(), stock)
+    assert type(converted) is LossScaleOptimizer
+    assert converted.inner_optimizer is stock.inner_optimizer
     assert type(_compile(_mlp(), auto_scale_loss=False)) is (
         keras.optimizers.Adam)
 
