@@ -1,8 +1,8 @@
 """The one place kerasmp changes Keras's train step, installed by `compile`.
 
-On TensorFlow and JAX (without NNX), `compile` calls `install(model)`, which
-sets two instance attributes on the model; nothing adds or removes them
-afterwards (a callback never does):
+On TensorFlow, PyTorch and JAX (without NNX), `compile` calls
+`install(model)`, which sets two instance attributes on the model; nothing
+adds or removes them afterwards (a callback never does):
 
 - `train_step`: Keras's step, then, while the optimizer is a
   `kerasmp.LossScaleOptimizer` and skipped the step, every variable the step
@@ -17,8 +17,8 @@ afterwards (a callback never does):
   `CSVLogger` and `TensorBoard` see only `loss_scale` and `skipped_steps`)
   and keeps them for `rows(model)` and `batch(model)`.
 
-One module per backend holds the step (`tensorflow`, `jax`), as Keras keeps
-one `train_step` per backend; `logs` holds what they share.
+One module per backend holds the step (`tensorflow`, `jax`, `torch`), as
+Keras keeps one `train_step` per backend; `logs` holds what they share.
 
 Logs on a skipped step (docs/monitoring.md): `loss` and the metrics are
 those of the steps the optimizer applied since the metrics were last reset
@@ -70,12 +70,16 @@ def _steps_class():
         from kerasmp.train_step.jax import JaxSteps
 
         return JaxSteps
+    if backend == "torch":
+        from kerasmp.train_step.torch import TorchSteps
+
+        return TorchSteps
     return None
 
 
 def supported():
-    """Whether train steps can be wrapped on this backend (TensorFlow; JAX
-    without NNX)."""
+    """Whether train steps can be wrapped on this backend (TensorFlow,
+    PyTorch; JAX without NNX)."""
     return _steps_class() is not None
 
 

@@ -1,0 +1,104 @@
+"""kerasmp's train step on PyTorch.
+
+Keras's PyTorch step runs eagerly (or compiled whole by `torch.compile`
+with `jit_compile=True`) and assigns variables in place, so the step keeps a
+copy of what a skipped step must not change (non-trainable variables such as
+batch-norm statistics and seed states, and the metric variables), and, when
+`kerasmp.LossScaleOptimizer` skipped the step, writes the copies back; then
+it adds `loss_scale` / `skipped_steps` and makes one record, as on the other
+backends. Keras refuses `steps_per_execution > 1` on PyTorch; kerasmp's
+train function runs Keras's single-step function once per batch of the
+execution instead, keeping every step's record.
+"""
+
+import keras
+from keras import ops
+
+from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
+from kerasmp.train_step.logs import ROW_KEY
+from kerasmp.train_step.logs import Steps
+from kerasmp.train_step.logs import add_scale
+from kerasmp.train_step.logs import honest_logs
+from kerasmp.train_step.logs import nonfinite_now
+from kerasmp.train_step.logs import record
+from kerasmp.train_step.logs import scale_state
+
+
+def _value(variable):
+    return variable.value
+
+
+class TorchSteps(Steps):
+    """kerasmp's train step of one model on PyTorch."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.pending = []  # the last execution's records
+        self.batches = []  # the batches of the last execution, if kept
+
+    def train_step(self, data):
+        model = self.model
+        scaled = isinstance(model.optimizer, LossScaleOptimizer)
+        watched = list(model.metrics_variables)
+        guarded = (
+            list(model.non_trainable_variables) if scaled else []
+        ) + watched
+        before = [ops.copy(v.value) for v in guarded]
+        logs = self.keras_step()(data)
+        if not isinstance(logs, dict):
+            return logs
+        logs = dict(logs)
+        state = scale_state(model, _value)
+        forward = nonfinite_now(
+            before[len(before) - len(watched):], [v.value for v in watched]
+        )
+        if scaled:
+            for v, old in zip(guarded, before):
+                v.assign(ops.where(state.skipped, old, v.value))
+            if watched:
+                i = self.count_index(watched)
+                count = None if i is None else watched[i].value
+                logs = honest_logs(
+                    logs, model.get_metrics_result(), state.skipped, count
+                )
+            add_scale(logs, state)
+        logs[ROW_KEY] = record(state, forward)
+        return logs
+
+    def _train_function(self):
+        """Keras's function for one step, run once per batch of the
+        execution by the host-side function."""
+        model = self.model
+        model.steps_per_execution = 1
+        try:
+            type(model).make_train_function(model, force=True)
+        finally:
+            model.steps_per_execution = self.spe
+        single = model.train_function
+
+        def train_function(data):
+            return self._run(single, data)
+
+        return train_function
+
+    def _run(self, single, data):
+        self.batches = list(data) if self.keep_batch else []
+        records = []
+        logs = None
+        for batch in data:
+            logs = single([batch])
+            if isinstance(logs, dict) and ROW_KEY in logs:
+                logs = dict(logs)
+                records.append(logs.pop(ROW_KEY))
+        self.pending = records
+        self._rows = None
+        return logs
+
+    def _records(self):
+        return self.pending
+
+    def batch(self, offset=0):
+        if offset >= len(self.batches):
+            return None
+        data = self.batches[len(self.batches) - 1 - offset]
+        return keras.utils.unpack_x_y_sample_weight(data)
