@@ -139,6 +139,17 @@ def run_through_graph(model, inputs, operation_fn):
     return model._run_through_graph(inputs, operation_fn=operation_fn)
 
 
+def trace_symbolically(fn, *args):
+    """Runs `fn(*args)` on symbolic stand-ins of `args` (KerasTensors) the
+    way Keras builds a model (`backend.compute_output_spec`: a scratch
+    TensorFlow graph, `jax.eval_shape`, PyTorch's meta device): nothing is
+    computed and no variable changes, but every op is traced, so an op the
+    backend refuses raises here."""
+    from keras.src import backend
+
+    return backend.compute_output_spec(fn, *args)
+
+
 def call_has_training_arg(model):
     """Whether `model.call` accepts a `training` argument."""
     return bool(model._call_has_training_arg)

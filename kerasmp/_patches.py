@@ -15,10 +15,12 @@ from `kerasmp._keras_internals`:
    covers `dtype=None` layers, layers handed a parent's policy (the
    `Softmax` inside `MultiHeadAttention`) and attributes set after
    `Layer.__init__`.
-2. Hand-back. `Layer.__call__`: a layer a kerasmp rule keeps in float32,
-   called inside another layer or model, hands its floating outputs back in
-   the governing policy's compute dtype (`kerasmp.policy.hand_back`); the
-   outputs of the outermost call stay the float32 values computed.
+2. Hand-off. `Layer.__call__`: a layer a kerasmp policy governs, called
+   inside another layer or model, hands its floating outputs to that caller
+   in the caller's compute dtype (`kerasmp.policy.handoff_dtype`,
+   `hand_back`): a float32 softmax or norm to a float16 model, a float16
+   sublayer to a float32 block; the outputs of the outermost call stay the
+   float32 values computed.
 3. Saving and loading. `dtype_policies.serialize` / `deserialize` and
    `Operation.from_config` go through `kerasmp.policy.saving`.
 4. Compile. `Trainer.compile` decides loss scaling: when a model has layers
@@ -26,7 +28,9 @@ from `kerasmp._keras_internals`:
    float16, a plain optimizer is wrapped once in
    `kerasmp.LossScaleOptimizer`; bfloat16 and float32
    models get no loss scaling, and `compile(..., auto_scale_loss=False)`
-   turns it off as in stock Keras; Keras's own
+   turns it off as in stock Keras. Before that, once per model, one symbolic
+   run finds the layers that fail in half precision and the MoE routers,
+   and moves them to float32 (`kerasmp.policy.measure`). Keras's own
    `keras.optimizers.LossScaleOptimizer` (the TensorFlow guide's) becomes
    kerasmp's, with the same inner optimizer and settings, and a one-time
    warning says so. Then, for every model,
@@ -47,6 +51,7 @@ from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
+from kerasmp.policy.measure import measure
 from kerasmp.policy.plan import plan as build_plan
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import hand_back
@@ -54,6 +59,7 @@ from kerasmp.policy.policy import handoff_dtype
 from kerasmp.policy.workers import check_workers_agree
 
 _originals = {}  # what install() replaced, for uninstall()
+_MEASURED = "_kerasmp_measured"  # in a model's __dict__ once measured
 
 # ------------------------------------------------------------ 1. resolution
 
@@ -76,9 +82,9 @@ class _ResolvedDTypePolicy:
     def __set__(self, layer, value):
         layer.__dict__[_ki.DTYPE_POLICY_ATTR] = value
 
-# ------------------------------------------------------------- 2. hand-back
+# ------------------------------------------------------------- 2. hand-off
 
-_calls = threading.local()  # depth of nested Layer.__call__, float32 outputs
+_calls = threading.local()  # the running Layer.__call__s, float32 outputs
 
 
 def _restore_float32(outputs, originals):
@@ -90,25 +96,26 @@ def _restore_float32(outputs, originals):
 
 
 def _layer_call(self, *args, **kwargs):
-    depth = getattr(_calls, "depth", 0)
-    if depth == 0:
+    callers = getattr(_calls, "callers", None)
+    if callers is None:
+        callers = _calls.callers = []
+    if not callers:
         _calls.originals = {}
-    _calls.depth = depth + 1
+    caller = callers[-1] if callers else None
+    callers.append(self)
     try:
         outputs = _originals["__call__"](self, *args, **kwargs)
     finally:
-        _calls.depth = depth
+        callers.pop()
     originals = _calls.originals
-    if depth > 0:
-        target = handoff_dtype(self)
+    if caller is not None:
+        target = handoff_dtype(self, caller)
         if target is not None:
             outputs = hand_back(outputs, target, originals)
     elif originals:
         outputs = _restore_float32(outputs, originals)
         _calls.originals = {}
     return outputs
-
-
 
 
 # ------------------------------------------------------- 3. saving, loading
@@ -139,6 +146,10 @@ def _compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _train_step.install(self)
         return result
+    if _MEASURED not in self.__dict__:  # once per model
+        object.__setattr__(self, _MEASURED, True)
+        if measure(self, plan.policy):
+            plan = build_plan(self)  # layers moved to float32
     assign_layers(self, plan.float8)  # float8 policies: the rule's layers
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()

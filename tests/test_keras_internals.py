@@ -272,6 +272,21 @@ class _WithoutTraining(_WithTraining):
         return self.dense(x)
 
 
+def test_trace_symbolically_runs_ops_without_computing():
+    dense = keras.layers.Dense(3)
+    x = keras.KerasTensor((None, 4))
+    out = ki.trace_symbolically(lambda t: dense(t, training=True), x)
+    assert isinstance(out, keras.KerasTensor), _changed(
+        "keras.src.backend.compute_output_spec")
+    assert tuple(out.shape) == (None, 3)
+
+    def refused(t):
+        raise TypeError("an op the backend refuses")
+
+    with pytest.raises(TypeError, match="refuses"):
+        ki.trace_symbolically(refused, x)
+
+
 def test_call_has_training_arg():
     assert ki.call_has_training_arg(_WithTraining()), _changed(
         "Layer._call_has_training_arg"

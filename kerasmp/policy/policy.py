@@ -447,16 +447,30 @@ def float32_rule(layer, policy=None):
     return policy.float32_rule(layer)
 
 
-def handoff_dtype(layer):
+FALLBACK_RULE = "NonFiniteMonitor fallback"
+"""The rule of a layer `NonFiniteMonitor`'s fallback moved to float32: its
+outputs may not fit in half precision, so they are handed on as computed."""
+
+_HALF = ("float16", "bfloat16")
+
+
+def handoff_dtype(layer, caller=None):
     """The dtype in which `layer` hands its float outputs on inside a model.
 
-    A layer that a kerasmp rule keeps in float32 computes in float32 but
-    passes its outputs to the layers after it in the governing policy's
-    compute dtype (see `Policy`); every other layer passes them on as
-    computed, and this function returns None.
+    A layer a kerasmp policy governs hands its floating outputs to the layer
+    (or model) that called it in that caller's compute dtype: a layer a
+    kerasmp rule keeps in float32 (softmax, a normalization, an MoE router)
+    passes them to the half-precision layers after it in half precision, as
+    stock Keras's BatchNormalization does, and a half-precision layer called
+    by a float32 layer passes them up in float32, so the caller's own code
+    never mixes the two. Without a caller, the governing policy's compute
+    dtype. Returns None when the outputs go on as computed: same dtype, a
+    layer no kerasmp policy governs, or one `NonFiniteMonitor`'s fallback
+    moved to float32 (its outputs may not fit in half precision).
 
     Args:
         layer: A `keras.layers.Layer`.
+        caller: The layer whose `call` called `layer`, if any.
 
     Example:
 
@@ -465,9 +479,21 @@ def handoff_dtype(layer):
     'float16'
     """
     stored = stored_policy(layer)
-    if not isinstance(stored, Policy) or stored.policy_for(layer) is stored:
+    if isinstance(stored, Float32Override):
+        if stored.rule == FALLBACK_RULE:
+            return None
+        governing = stored.policy
+    elif isinstance(stored, Policy):
+        governing = stored
+    else:
         return None
-    return stored.compute_dtype
+    target = (governing if caller is None else caller).compute_dtype
+    own = layer.compute_dtype
+    if target == own or "float" not in own or "float" not in target:
+        return None
+    if caller is None and target not in _HALF:
+        return None
+    return target
 
 
 def _is_castable(x, target):
@@ -477,16 +503,19 @@ def _is_castable(x, target):
     if dtype is None or not keras.ops.is_tensor(x):
         return False
     dtype = keras.backend.standardize_dtype(dtype)
-    return dtype in ("float32", "float64") and dtype != target
+    if "float" not in dtype or dtype == target:
+        return False
+    return not (dtype == "float64" and target == "float32")
 
 
 def hand_back(outputs, dtype, originals=None):
-    """A float32 layer's outputs, cast to the half-precision `dtype` of
-    the layer they are handed to (the one hand-back cast of kerasmp).
+    """A layer's outputs, cast to the compute `dtype` of the layer they are
+    handed to (the one hand-off cast of kerasmp, see `handoff_dtype`).
 
-    Every float32 (or float64) backend tensor in the structure is cast to
-    `dtype`, keeping its Keras mask; symbolic `KerasTensor`s, integer
-    tensors and non-tensors pass unchanged. Used by the `Layer.__call__`
+    Every floating backend tensor in the structure whose dtype is not
+    `dtype` is cast to it (float64 stays float64 for a float32 caller),
+    keeping its Keras mask; symbolic `KerasTensor`s, integer tensors and
+    non-tensors pass unchanged. Used by the `Layer.__call__`
     patch in `kerasmp._patches` (through `handoff_dtype`) and by the exported
     `HalfModel` (`kerasmp/export/half.py`).
 
@@ -494,8 +523,8 @@ def hand_back(outputs, dtype, originals=None):
         outputs: A tensor or a structure of tensors.
         dtype: The compute dtype to hand back in, e.g. `"float16"`.
         originals: Optional dict: `id(cast)` maps to `(cast, original)`
-            for each tensor cast, so the outermost call can give the
-            float32 originals back.
+            for each tensor cast to half precision, so the outermost call
+            can give the float32 originals back.
 
     Example:
 
@@ -511,7 +540,7 @@ def hand_back(outputs, dtype, originals=None):
         mask = _ki.get_keras_mask(x)
         if mask is not None:
             _ki.set_keras_mask(y, mask)
-        if originals is not None:
+        if originals is not None and dtype in _HALF:
             originals[id(y)] = (y, x)
         return y
 

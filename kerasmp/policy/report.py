@@ -7,6 +7,7 @@ import keras
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
 from kerasmp.float8.layers import report_reason
+from kerasmp.policy.policy import FALLBACK_RULE
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import global_policy
@@ -71,10 +72,6 @@ class DTypeReport:
 
     __repr__ = __str__
 
-
-FALLBACK_RULE = "NonFiniteMonitor fallback"
-"""The `Float32Override.rule` of a layer `NonFiniteMonitor(action="fallback")`
-moved to float32."""
 
 
 def _reason(layer, global_now):

@@ -1,0 +1,225 @@
+"""The float32 rules kerasmp finds by running the model: decided by
+measurement, at `compile`.
+
+A class list or a name cannot say which layers of a model break in half
+precision; one symbolic run of the model in training mode can (nothing is
+computed and no weight changes: `kerasmp._keras_internals.
+trace_symbolically`). `measure(model, policy)`, called by the compile patch
+for a model a half-precision `kerasmp.Policy` governs, applies two rules:
+
+1. **Layers that fail in half precision.** A layer whose own code mixes
+   float16 and float32 tensors in one op (an `add`, a `matmul`), or calls an
+   op that has no half-precision kernel (TensorFlow's `range` with a float16
+   dtype), fails at the first call of `fit`, under stock Keras's
+   `mixed_float16` too (keras-hub's SAM prompt encoder, Moonshine's encoder
+   block, ESM's rotary embedding, the Qwen3-MoE router's auxiliary loss). The
+   innermost layer whose `call` raises is moved to float32 (or, when that is
+   not enough, the layer with its sublayers), with a one-line warning naming
+   it, and the run goes on (at most `MAX_MOVES` times). A failure that
+   moving the layer does not cure is left for `fit` to report, and the
+   layer keeps its policy.
+2. **MoE routers.** A layer that calls `keras.ops.top_k` (the router of a
+   mixture of experts: top-k routing, its softmax or sigmoid and its
+   auxiliary loss) computes in float32, with the
+   `Dense`/`EinsumDense` sublayer that produces those scores (one unit per
+   expert). In float16 near-equal scores round to ties and the router picks
+   other experts (keras-hub GPT-OSS: features 7.4e-2 off float32, 9e-4 with
+   the router in float32); the Switch Transformer computes its router in
+   float32 ("selective precision"). Other sublayers (the experts) keep the
+   half policy.
+
+Each moved layer gets a `Float32Override` whose rule says why, so
+`dtype_report`, `kerasmp check` and a saved file say so too. The run needs
+the model's symbolic inputs (a Functional or Sequential model, or any model
+after it was called once); without them nothing is measured.
+"""
+
+import re
+import warnings
+
+import keras
+
+from kerasmp import _keras_internals as _ki
+from kerasmp._utils.instrument import running_layers
+from kerasmp._utils.instrument import watching_ops
+from kerasmp._utils.layers import walk
+from kerasmp.policy.policy import Float32Override
+from kerasmp.policy.policy import Policy
+from kerasmp.policy.policy import stored_policy
+
+MAX_MOVES = 8
+"""The most layers one `measure` moves to float32 because they failed."""
+
+FAILS_RULE = "fails in {dtype}"
+ROUTER_RULE = "MoE router (calls top_k)"
+PROJECTION_RULE = "MoE router scores ({router})"
+
+_HALF = ("float16", "bfloat16")
+
+
+def _symbolic_inputs(model):
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        return None
+
+
+def _run(model, inputs, layers):
+    """One symbolic training-mode run; returns `(routers, failure)`:
+    `{path: (layer, units)}` of the layers that called `top_k` (`units`:
+    the last axis of what they ranked, one score per expert), and
+    `(path, layer, error)` of the innermost layer whose call raised (or
+    None)."""
+    routers = {}
+
+    def on_call(current, name, x):
+        if current is not None:
+            path, layer = current
+            units = x.shape[-1] if getattr(x, "shape", None) else None
+            routers.setdefault(path, (layer, units))
+
+    with running_layers(layers) as watch:
+        with watching_ops(watch, ("top_k",), on_call):
+            try:
+                _ki.trace_symbolically(
+                    lambda x: model(x, training=True), inputs)
+            except Exception as e:  # noqa: BLE001 (what fit would raise)
+                if watch.failed_in is None:
+                    return routers, (None, None, e)
+                return routers, (*watch.failed_in, e)
+    return routers, None
+
+
+def _governing(layer, policy):
+    stored = stored_policy(layer)
+    if isinstance(stored, Float32Override):
+        stored = stored.policy
+    return stored if isinstance(stored, Policy) else None
+
+
+def _move(layers, policy, rule):
+    """Puts each `(path, layer)` still computing in half precision in
+    float32 under `rule`; returns `[(path, layer, previous policy)]`."""
+    moved = []
+    for path, layer in layers:
+        if _governing(layer, policy) and layer.compute_dtype in _HALF:
+            moved.append((path, layer, stored_policy(layer)))
+            layer.dtype_policy = Float32Override(policy, rule)
+    return moved
+
+
+def _first_line(error):
+    """The first line of `error` that says what went wrong (not Keras's
+    "Exception encountered when calling ..." wrapper), at most 100
+    characters, cut at a word."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
+    lines = [t.strip() for t in text if t.strip() and not t.startswith(
+        "Exception encountered when calling")]
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= 100 else line[:97].rsplit(" ", 1)[0] + " ..."
+
+
+def _cure(model, inputs, layers, failure, policy):
+    """Moves the layer that failed to float32, then it and its sublayers;
+    returns `(moved, run)` for the first that lets the run get past it,
+    `run` the next `(routers, failure)`; None when neither does (nothing is
+    left moved)."""
+    path, layer, _ = failure
+    rule = FAILS_RULE.format(dtype=layer.compute_dtype)
+    for targets in ([(path, layer)],
+                    [(path, layer)] + list(walk(layer, prefix=path))):
+        moved = _move(targets, policy, rule)
+        run = _run(model, inputs, layers)
+        if run[1] is None or run[1][1] is not layer:
+            return [(p, rule) for p, _, _ in moved], run
+        for _, target, previous in reversed(moved):
+            target.dtype_policy = previous
+    return None
+
+
+def measure(model, policy, dry_run=False):
+    """Finds, by symbolic runs, the layers of `model` that must compute in
+    float32, and moves them (see the module docstring).
+
+    Args:
+        model: A `keras.Model` that `policy` governs.
+        policy: The governing `kerasmp.Policy` (half-precision compute).
+        dry_run: Whether to put every layer back as it was before
+            returning (what `kerasmp.check` reports; no warning).
+
+    Returns:
+        `[(path, rule)]` of the layers moved to float32.
+
+    Example:
+
+    >>> kerasmp.set_global_policy("mixed_float16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> kerasmp.policy.measure.measure(model, kerasmp.global_policy())
+    []
+    >>> kerasmp.set_global_policy("float32")
+    """
+    inputs = _symbolic_inputs(model)
+    if inputs is None or policy.compute_dtype not in _HALF:
+        return []
+    layers = list(walk(model))
+    before = [(layer, stored_policy(layer)) for _, layer in layers]
+    moved = []
+    routers, failure = _run(model, inputs, layers)
+    for _ in range(MAX_MOVES):
+        if failure is None:
+            now_moved = _routers(routers, policy)
+            if not now_moved:
+                break
+            moved += now_moved
+        else:
+            path, layer, error = failure
+            if layer is None or _governing(layer, policy) is None or (
+                    layer.compute_dtype not in _HALF):
+                break  # not a layer kerasmp can move: fit reports it
+            cured = _cure(model, inputs, layers, failure, policy)
+            if cured is None:
+                break
+            now_moved, (routers, failure) = cured
+            moved += now_moved
+            if dry_run:
+                continue
+            warnings.warn(
+                f"kerasmp: layer {path!r} ({type(layer).__name__}) fails in "
+                f"{policy.compute_dtype} ({_first_line(error)}); it computes "
+                "in float32"
+                + (" with its sublayers." if len(now_moved) > 1 else "."),
+                stacklevel=3,
+            )
+            continue
+        routers, failure = _run(model, inputs, layers)
+    if dry_run:
+        for layer, policy in before:
+            if stored_policy(layer) is not policy:
+                layer.dtype_policy = policy
+    return moved
+
+
+def _routers(routers, policy):
+    """Moves each router still computing in half precision, and its score
+    projection, to float32."""
+    moved = []
+    for path, (layer, units) in routers.items():
+        rule = ROUTER_RULE
+        moved += [(p, rule) for p, _, _ in _move([(path, layer)], policy,
+                                                  rule)]
+        projections = [(p, sub) for p, sub in walk(layer, prefix=path)
+                       if _projects_scores(sub, units)]
+        rule = PROJECTION_RULE.format(router=path)
+        moved += [(p, rule) for p, _, _ in _move(projections, policy, rule)]
+    return moved
+
+
+def _projects_scores(layer, units):
+    """Whether `layer` is a Dense/EinsumDense with one output per expert."""
+    if units is None or not isinstance(
+            layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        return False
+    if isinstance(layer, keras.layers.Dense):
+        return layer.units == units
+    shape = getattr(layer, "full_output_shape", None) or ()
+    return bool(shape) and shape[-1] == units

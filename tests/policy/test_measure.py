@@ -1,0 +1,188 @@
+"""The rules compile finds by one symbolic run (`kerasmp.policy.measure`):
+layers that fail in float16 move to float32, MoE routers compute in
+float32; both compared with the same model run in float32."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import kerasmp
+from kerasmp.policy.measure import measure
+
+
+@keras.saving.register_keras_serializable(package="kerasmp_tests")
+class HalfRefusing(keras.layers.Layer):
+    """A layer whose training code has no float16 path: like the auxiliary
+    loss of keras-hub's Qwen3-MoE router (float16 x float32, in training
+    only) or TensorFlow's `range` with a float16 dtype (ESM), it raises in
+    float16 once `fit` traces it (building the model works)."""
+
+    def call(self, x, training=None):
+        if training and keras.backend.standardize_dtype(x.dtype) == "float16":
+            raise TypeError("Range has no float16 kernel")
+        return ops.tanh(x) * 2.0
+
+
+@keras.saving.register_keras_serializable(package="kerasmp_tests")
+class AlwaysFails(keras.layers.Layer):
+    def call(self, x, training=None):
+        if training:
+            raise ValueError("broken in every dtype")
+        return x
+
+
+@keras.saving.register_keras_serializable(package="kerasmp_tests")
+class TinyMoE(keras.layers.Layer):
+    """A top-2-of-4 mixture of experts: a gate Dense (one score per
+    expert), softmax, `top_k`, and the experts (Dense layers)."""
+
+    def __init__(self, experts=4, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = keras.layers.Dense(experts, use_bias=False, name="gate")
+        self.experts = [keras.layers.Dense(units, name=f"expert_{i}")
+                        for i in range(experts)]
+        self.num_experts = experts
+
+    def call(self, x):
+        probs = ops.softmax(self.gate(x), axis=-1)
+        weights, chosen = ops.top_k(probs, k=2)
+        one_hot = ops.cast(ops.one_hot(chosen, self.num_experts),
+                           weights.dtype)
+        mask = ops.sum(one_hot * weights[..., None], axis=1)
+        outs = ops.stack([e(x) for e in self.experts], axis=1)
+        mask = ops.cast(mask, outs.dtype)
+        return ops.sum(outs * mask[..., None], axis=1), chosen
+
+
+def _model(layer, width=8):
+    inputs = keras.Input((width,))
+    h = keras.layers.Dense(width, name="pre")(inputs)
+    out = layer(h)
+    if isinstance(out, tuple):
+        out = out[0]
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(out))
+
+
+def _float32_twin(model, build):
+    kerasmp.set_global_policy("float32")
+    twin = build()
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def test_a_layer_that_fails_in_float16_moves_to_float32(mixed_policy):
+    model = _model(HalfRefusing(name="refusing"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile("adam", "mse")
+    said = [str(w.message) for w in caught if "kerasmp: layer" in
+            str(w.message)]
+    assert len(said) == 1 and "'refusing' (HalfRefusing) fails in " \
+        "float16 (Range has no float16 kernel); it computes in float32." \
+        in said[0]
+    assert model.get_layer("refusing").compute_dtype == "float32"
+    assert model.get_layer("pre").compute_dtype == "float16"
+    report = str(kerasmp.dtype_report(model))
+    assert "fails in float16" in report
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    history = model.fit(x, np.zeros((16, 2)), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    twin = _float32_twin(model, lambda: _model(HalfRefusing()))
+    np.testing.assert_allclose(model.predict(x, verbose=0),
+                               twin.predict(x, verbose=0), atol=2e-2)
+
+
+def test_the_move_is_saved_and_loaded(mixed_policy, tmp_path):
+    model = _model(HalfRefusing(name="refusing"))
+    model.compile("adam", "mse")
+    model.save(tmp_path / "m.keras")
+    kerasmp.set_global_policy("float32")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert loaded.get_layer("refusing").compute_dtype == "float32"
+    assert loaded.get_layer("pre").compute_dtype == "float16"
+
+
+def test_a_failure_float32_does_not_cure_is_left_to_fit(mixed_policy):
+    model = _model(AlwaysFails(name="broken"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile("adam", "mse")
+    assert not [w for w in caught if "kerasmp: layer" in str(w.message)]
+    assert model.get_layer("broken").compute_dtype == "float16"
+    with pytest.raises(ValueError, match="broken in every dtype"):
+        model.fit(np.zeros((2, 8), "float32"), np.zeros((2, 2)), verbose=0)
+
+
+def test_a_dry_run_says_what_compile_would_move_and_changes_nothing(
+        mixed_policy):
+    model = _model(HalfRefusing(name="refusing"))
+    moved = measure(model, kerasmp.global_policy(), dry_run=True)
+    assert moved == [("refusing", "fails in float16")]
+    assert model.get_layer("refusing").compute_dtype == "float16"
+
+
+@pytest.mark.tensorflow
+def test_an_op_mixing_float16_with_float32_trains_under_kerasmp(
+        mixed_policy):
+    import tensorflow as tf
+
+    @keras.saving.register_keras_serializable(package="kerasmp_tests")
+    class MixesDtypes(keras.layers.Layer):
+        """A float32 table multiplied with a raw TensorFlow op (no dtype
+        promotion), like keras-hub SAM's prompt encoder."""
+
+        def call(self, x, training=None):
+            table = tf.constant(np.eye(8, dtype="float32"))
+            if training:
+                return tf.matmul(x, table)
+            return x
+
+    model = _model(MixesDtypes(name="mixes"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.compile("adam", "mse")
+    assert model.get_layer("mixes").compute_dtype == "float32"
+    x = np.random.default_rng(1).normal(size=(16, 8)).astype("float32")
+    history = model.fit(x, np.zeros((16, 2)), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def _near_ties(seed=0, n=256):
+    """Inputs whose gate scores for the second and third experts differ by
+    0.01 per unit of input near 39: float16 (spacing 1/32 there) rounds the
+    two to a tie and `top_k` keeps the lower index, float32 does not."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros((n, 8), "float32")
+    x[:, 0] = rng.uniform(1.0, 1.5, size=n)
+    kernel = np.zeros((8, 4), "float32")
+    kernel[0] = [40.0, 39.0, 39.01, 30.0]
+    return x, kernel
+
+
+def _moe_model():
+    inputs = keras.Input((8,))
+    out, chosen = TinyMoE(name="moe")(inputs)
+    return keras.Model(inputs, [out, chosen])
+
+
+def test_the_router_computes_in_float32_and_picks_float32s_experts(
+        mixed_policy):
+    model = _moe_model()
+    model.compile("adam", "mse")
+    moe = model.get_layer("moe")
+    assert moe.compute_dtype == "float32"
+    assert moe.gate.compute_dtype == "float32"
+    assert {e.compute_dtype for e in moe.experts} == {"float16"}
+    report = str(kerasmp.dtype_report(model))
+    assert "MoE router (calls top_k)" in report
+    assert "MoE router scores (moe)" in report
+    x, kernel = _near_ties()
+    moe.gate.kernel.assign(kernel)
+    twin = _float32_twin(model, _moe_model)
+    _, chosen = model.predict(x, verbose=0)
+    _, expected = twin.predict(x, verbose=0)
+    assert (np.sort(expected, 1) == [0, 2]).all()  # float32's choice
+    np.testing.assert_array_equal(np.sort(chosen, 1), np.sort(expected, 1))
