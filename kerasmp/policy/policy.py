@@ -23,6 +23,7 @@ import re
 import keras
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._utils.arrays import FLOAT16_MAX
 from kerasmp._utils.marked import Marked
 from kerasmp._utils.namematch import NameMatcher
 from kerasmp.float8.rule import FLOAT8_NAMES
@@ -515,9 +516,14 @@ def hand_back(outputs, dtype, originals=None):
     Every floating backend tensor in the structure whose dtype is not
     `dtype` is cast to it (float64 stays float64 for a float32 caller),
     keeping its Keras mask; symbolic `KerasTensor`s, integer tensors and
-    non-tensors pass unchanged. Used by the `Layer.__call__`
-    patch in `kerasmp._patches` (through `handoff_dtype`) and by the exported
-    `HalfModel` (`kerasmp/export/half.py`).
+    non-tensors pass unchanged. Handed to float16, values below -65504
+    become -65504, not -inf: a large negative mask bias (T5's `-1e9` in its
+    float32 attention, handed on as the position bias) stays a finite "never
+    attend" instead of a -inf that turns a fully masked row into NaN;
+    positive overflow still becomes inf, for the monitors to see. Used by
+    the `Layer.__call__` patch in `kerasmp._patches` (through
+    `handoff_dtype`) and by the exported `HalfModel`
+    (`kerasmp/export/half.py`).
 
     Args:
         outputs: A tensor or a structure of tensors.
@@ -536,12 +542,15 @@ def hand_back(outputs, dtype, originals=None):
     def cast(x):
         if not _is_castable(x, dtype):
             return x
+        x_kept = x
+        if dtype == "float16":
+            x = keras.ops.maximum(x, -FLOAT16_MAX)
         y = keras.ops.cast(x, dtype)
-        mask = _ki.get_keras_mask(x)
+        mask = _ki.get_keras_mask(x_kept)
         if mask is not None:
             _ki.set_keras_mask(y, mask)
         if originals is not None and dtype in _HALF:
-            originals[id(y)] = (y, x)
+            originals[id(y)] = (y, x_kept)
         return y
 
     return keras.tree.map_structure(cast, outputs)

@@ -73,7 +73,6 @@ class DTypeReport:
     __repr__ = __str__
 
 
-
 def _reason(layer, global_now):
     float8_reason = report_reason(layer)
     if float8_reason is not None:

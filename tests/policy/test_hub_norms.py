@@ -149,6 +149,26 @@ def test_t5_is_nan_without_the_hazard_rule():
     assert not np.isfinite(out).all()
 
 
+def test_t5_fully_padded_rows_are_finite():
+    """keras-hub's own T5 test batch is fully padded: the float32 attention
+    adds its -1e9 mask bias and hands the position bias on; handed to
+    float16 it stays finite (-65504, not -inf), so rows that attend to
+    nothing are finite (not NaN) and the other rows match float32."""
+    reference, _ = models("t5")
+    with kerasmp.policy_scope("mixed_float16"):
+        mixed = _build("t5")  # fresh: another test fits the shared one
+    mixed.set_weights(reference.get_weights())
+    x, _ = _data(mixed)
+    for name in x:
+        if "mask" in name:
+            x[name][:2] = 0  # two rows attend to nothing
+    out = keras.ops.convert_to_numpy(mixed(x)).astype("float32")
+    assert np.isfinite(out).all()
+    expected = keras.ops.convert_to_numpy(reference(x))
+    np.testing.assert_allclose(out[2:], expected[2:], atol=5e-2 * np.abs(
+        expected).max())
+
+
 def test_t5_layer_norm_above_256_is_finite_under_kerasmp():
     """Activations above 256 entering T5LayerNorm: mean(square(x)) overflows
     float16 (256^2 > 65504). kerasmp keeps the norm float32; the stock
