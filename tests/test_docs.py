@@ -8,8 +8,10 @@ How the blocks are found and run (also in docs/architecture.md,
 - HTML comments on the lines directly above the fence (no blank line in
   between) are markers; one per comment:
 
-  - `<!-- fragment -->`: not run (only makes sense in context; prefer
-    `continues`).
+  - There is no "not run" marker: a block that only makes sense in
+    context `continues` the block that builds its context, and
+    `<!-- fragment -->` (which skipped a block) is refused, so that every
+    example a reader sees has run.
   - `<!-- name: NAME -->`: names the block, so that a later block can
     continue it. Names are unique within a file.
   - `<!-- continues: NAME -->`: runs after the named earlier block of the
@@ -55,7 +57,7 @@ class Block:
         self.path = path
         self.line = line  # 1-based line of the first code line
         self.source = source
-        self.markers = markers  # dict: fragment/name/continues/backend
+        self.markers = markers  # dict: name/continues/backend
 
     @property
     def where(self):
@@ -67,8 +69,11 @@ def parse_markers(comment_lines, where):
     for text in comment_lines:
         body = _MARKER.match(text).group(1)
         if body == "fragment":
-            markers["fragment"] = True
-            continue
+            raise ValueError(
+                f"{where}: `<!-- fragment -->` skips the block; make it run "
+                "(its own imports and data) or `<!-- continues: NAME -->` "
+                "the block that builds its context"
+            )
         keyed = _KEYED.match(body)
         if not keyed:
             continue  # another kind of comment (ci:..., cli-reference:...)
@@ -131,8 +136,6 @@ def chains():
                 if name in by_name:
                     raise ValueError(f"{block.where}: duplicate name {name!r}")
                 by_name[name] = block
-            if block.markers.get("fragment"):
-                continue
             parent = block.markers.get("continues")
             if parent is None:
                 chain = [block]
@@ -201,7 +204,7 @@ def test_doc_block_runs_as_written(chain, doc_env):
 
 def test_every_block_is_found_and_every_marker_is_valid():
     """The parser sees the blocks a reader sees: one per ```python fence,
-    each either run (in a chain) or marked as a fragment."""
+    every one run (in a chain): no fragment is skipped."""
     total = 0
     for path in DOC_FILES:
         text = path.read_text(encoding="utf-8")
@@ -210,23 +213,18 @@ def test_every_block_is_found_and_every_marker_is_valid():
         assert len(blocks) == fences, path
         total += fences
     in_chains = sum(len(chain) for chain in chains())
-    fragments = sum(
-        1
-        for path in DOC_FILES
-        for block in parse_blocks(path)
-        if block.markers.get("fragment")
-    )
-    assert in_chains + fragments == total
+    assert in_chains == total
 
 
 def test_parser_markers(tmp_path):
-    """Markers on the lines above a fence: names, continuations, backends,
-    fragments; an unknown backend or a dangling `continues` is an error."""
+    """Markers on the lines above a fence: names, continuations, backends;
+    an unknown backend, a dangling `continues` or a fragment marker is an
+    error."""
     global DOC_FILES
     doc = tmp_path / "x.md"
     doc.write_text(
         "<!-- name: a -->\n<!-- backend: any -->\n```python\nv = 1\n```\n"
-        "text\n<!-- fragment -->\n```python\nundefined\n```\n"
+        "text\n<!-- unrelated comment -->\n```python\nu = 0\n```\n"
         "<!-- continues: a -->\n```python\nv += 1\n```\n"
         "```python\nw = 2\n```\n```bash\nls\n```\n"
     )
@@ -235,9 +233,9 @@ def test_parser_markers(tmp_path):
         globals()["ROOT"] = tmp_path
         DOC_FILES = [doc]
         found = chains()
-        assert [[b.line for b in c] for c in found] == [[4, 13], [16]]
+        assert [[b.line for b in c] for c in found] == [[4, 13], [9], [16]]
         assert chain_backend(found[0]) == "any"
-        assert chain_backend(found[1]) == "tensorflow"
+        assert chain_backend(found[1]) == "tensorflow"  # not a marker
         namespace = {}
         for block in found[0]:
             run_block(block, namespace)
@@ -245,8 +243,11 @@ def test_parser_markers(tmp_path):
         doc.write_text("<!-- continues: nope -->\n```python\nx = 1\n```\n")
         with pytest.raises(ValueError, match="names no earlier"):
             chains()
-        doc.write_text("<!-- backend: torch -->\n```python\nx = 1\n```\n")
+        doc.write_text("<!-- backend: cobol -->\n```python\nx = 1\n```\n")
         with pytest.raises(ValueError, match="backend must be one of"):
+            chains()
+        doc.write_text("<!-- fragment -->\n```python\nundefined\n```\n")
+        with pytest.raises(ValueError, match="fragment.*skips the block"):
             chains()
     finally:
         globals()["ROOT"] = saved_root
