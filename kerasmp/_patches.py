@@ -51,6 +51,8 @@ from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
+from kerasmp.policy.measure import is_measured
+from kerasmp.policy.measure import mark_measured
 from kerasmp.policy.measure import measure
 from kerasmp.policy.plan import plan as build_plan
 from kerasmp.policy.policy import Policy
@@ -59,7 +61,6 @@ from kerasmp.policy.policy import handoff_dtype
 from kerasmp.policy.workers import check_workers_agree
 
 _originals = {}  # what install() replaced, for uninstall()
-_MEASURED = "_kerasmp_measured"  # in a model's __dict__ once measured
 
 # ------------------------------------------------------------ 1. resolution
 
@@ -146,8 +147,8 @@ def _compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _train_step.install(self)
         return result
-    if _MEASURED not in self.__dict__:  # once per model
-        object.__setattr__(self, _MEASURED, True)
+    if not is_measured(self):  # once per model
+        mark_measured(self)
         if measure(self, plan.policy):
             plan = build_plan(self)  # layers moved to float32
     assign_layers(self, plan.float8)  # float8 policies: the rule's layers

@@ -10,6 +10,12 @@ models several files build are in `_models.py`, other shared helpers in
 `_helpers.py` (both importable from every test: setup.cfg puts tests/ on
 sys.path). Basenames stay unique across folders (pytest's default import
 mode needs it).
+
+The PyTorch pass: tests marked `torch` (a whole file with `pytestmark =
+pytest.mark.torch`) also run under `KERAS_BACKEND=torch`, selected with
+`-m "torch and not slow"`. There, a case parametrised with `jit=True` is
+skipped (`pytest_collection_modifyitems` below): `jit_compile=True` is
+`torch.compile`, about 40 s per toy model on a CPU.
 """
 
 import keras
@@ -51,3 +57,19 @@ def float8_policy():
     policy = float8_test_policy()
     kerasmp.set_global_policy(policy)
     return policy
+
+
+TORCH_JIT_SKIP = pytest.mark.skip(
+    reason="jit_compile=True on PyTorch is torch.compile (about 40 s per toy "
+    "model on a CPU): not in the PyTorch pass"
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On the PyTorch backend, skips the `jit=True` cases of every test."""
+    if keras.backend.backend() != "torch":
+        return
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("jit") is True:
+            item.add_marker(TORCH_JIT_SKIP)

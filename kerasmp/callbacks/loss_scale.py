@@ -32,9 +32,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     progress bar, `History.history`, `CSVLogger` files and `TensorBoard`
     scalars (docs/monitoring.md). The monitor reads them from the logs into
     `trace` for `kerasmp.plotting.plot_loss_scale`. With another optimizer
-    (Keras's own `keras.optimizers.LossScaleOptimizer` included: its config
-    loads into kerasmp's class) it records nothing and says so in one
-    warning.
+    (Keras's own `keras.optimizers.LossScaleOptimizer` included:
+    `kerasmp.LossScaleOptimizer(optimizer)` takes it, with its settings) it
+    records nothing and says so in one warning. TensorFlow, JAX and
+    PyTorch.
 
     With `gradient_stats_every=N` the monitor also logs `grad_underflow`:
     every N steps (the first step, then every N-th), the fraction of gradient

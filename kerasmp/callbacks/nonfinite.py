@@ -34,7 +34,7 @@ from kerasmp.callbacks.nonfinite_events import new_event
 from kerasmp.callbacks.nonfinite_events import reset_failed_message
 from kerasmp.callbacks.nonfinite_events import start
 from kerasmp.callbacks.nonfinite_events import weights_event
-from kerasmp.callbacks.nonfinite_fallback import fall_back
+from kerasmp.callbacks.nonfinite_fallback import fall_back_all
 from kerasmp.callbacks.nonfinite_fallback import first_nonfinite_weight
 from kerasmp.callbacks.nonfinite_fallback import locate
 from kerasmp.callbacks.nonfinite_fallback import reset_loss_scale
@@ -73,10 +73,12 @@ class NonFiniteMonitor(keras.callbacks.Callback):
     - `"stop"`: warn and set `model.stop_training`.
     - `"raise"`: raise `kerasmp.errors.NonFiniteError` with the diagnosis.
     - `"fallback"`: move the located layer (and its sublayers) to float32
-      compute, rebuild the train function and continue; the event lists the
-      layer under `fallback_layers`. If no layer was located, or it already
-      computes in float32, or the weights are already non-finite, it stops
-      instead and says why.
+      compute, replay the same batch and move every further layer that then
+      overflows on it (at most 16 replays), rebuild the train function once
+      and continue; the event lists the layers under `fallback_layers` (and,
+      if the batch still overflows, why under `fallback_note`). If no layer
+      was located, or it already computes in float32, or the weights are
+      already non-finite, it stops instead and says why.
 
     With `locate=True` the offending batch is replayed through
     `kerasmp.debug.find_nonfinite` (eagerly, layer by layer: roughly the cost
@@ -150,6 +152,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self.initial_skipped = None
         self.fallbacks = []
         self.last_report = None
+        self._located = (None, None)  # the batch and scale last replayed
         self._next_step = 0  # steps counted over all `fit` calls
         self._log_failed = False
 
@@ -298,6 +301,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 batch = _train_step.batch(self.model, offset)
                 if batch is not None:
                     break
+        self._located = (batch, scale)
         report, fields = locate(
             self.model,
             batch,
@@ -333,15 +337,21 @@ class NonFiniteMonitor(keras.callbacks.Callback):
             raise NonFiniteError(event["message"], event=event, report=report)
 
     def _fallback(self, event, report):
-        """Moves the located layer to float32; returns why not, or None."""
-        result = fall_back(event, report, self._state, self._rules)
+        """Moves the located layer to float32, and every further layer the
+        same batch then overflows; returns why not, or None."""
+        batch, scale = self._located
+        result = fall_back_all(
+            self.model, event, report, self._state, self._rules, batch, scale
+        )
         if result.refusal is not None:
             return result.refusal
-        # The layer's compute dtype changed: trace the step again.
+        # The layers' compute dtype changed: trace the step again.
         _ki.jax_state_sync(self.model)
         self.model.make_train_function(force=True)
-        self.fallbacks.append(result.layer)
-        event["fallback_layers"] = [result.layer]
+        self.fallbacks.extend(result.layers)
+        event["fallback_layers"] = list(result.layers)
+        if result.note is not None:
+            event["fallback_note"] = result.note
         if result.reset_to is not None:
             event["loss_scale_reset_to"] = result.reset_to
             self._reset_to = result.reset_to

@@ -450,9 +450,11 @@ def message(event, patience, min_scale, fallback_failed=None):
             f"{event.get('variable')!r})." + where
         )
     if event.get("fallback_layers"):
+        layers = event["fallback_layers"]
         text += (
-            f" Fallback: {', '.join(event['fallback_layers'])} now computes "
-            "in float32; training continues"
+            f" Fallback: {', '.join(layers)} now "
+            f"{'computes' if len(layers) == 1 else 'compute'} in float32; "
+            "training continues"
         )
         if event.get("loss_scale_reset_to") is not None:
             text += (
@@ -461,6 +463,8 @@ def message(event, patience, min_scale, fallback_failed=None):
                 "skipped steps)"
             )
         text += "."
+        if event.get("fallback_note"):
+            text += f" Not every overflow is fixed: {event['fallback_note']}."
     elif fallback_failed:
         text += f" Fallback impossible ({fallback_failed}): stopping."
     return "kerasmp.NonFiniteMonitor: " + text

@@ -5,7 +5,9 @@ parts that read or write the model.
   `kerasmp.debug.find_nonfinite` and gives the event keys it found.
 - `first_nonfinite_weight` names the first weight holding inf/NaN.
 - `fall_back` moves the located layer (and its sublayers) to float32 compute,
-  or says why it cannot.
+  or says why it cannot; `fall_back_all` then replays the same batch with
+  the new dtypes and moves every further layer that overflows on it, in one
+  go (a bounded number of replays).
 - `reset_loss_scale` restarts the optimizer's loss scale after a fallback.
 
 The rules that decide when these run are in
@@ -25,7 +27,7 @@ from kerasmp.callbacks.nonfinite_events import forget_run
 from kerasmp.debug.nonfinite import find_nonfinite
 from kerasmp.policy import Float32Override
 from kerasmp.policy import Policy
-from kerasmp.policy.report import FALLBACK_RULE
+from kerasmp.policy.policy import FALLBACK_RULE
 
 # ----------------------------------------------------------------- locating
 
@@ -93,12 +95,18 @@ class Fallback:
         layer: the path of the layer moved to float32, or None.
         reset_to: the loss scale to restart from, or None (keep it).
         state: the monitor's `State` from now on.
+        layers: every layer moved, in order (`fall_back_all`; `(layer,)`
+            for `fall_back`).
+        note: why `fall_back_all` stopped while the replayed batch was still
+            not finite, or None.
     """
 
     refusal: str = None
     layer: str = None
     reset_to: float = None
     state: State = None
+    layers: tuple = ()
+    note: str = None
 
 
 def fall_back(event, report, state, rules):
@@ -148,7 +156,58 @@ def fall_back(event, report, state, rules):
         start_scale = state.run.start_scale if state.run else None
         reset_to = float(start_scale or state.scale)
     return Fallback(
-        layer=path, reset_to=reset_to, state=forget_run(state)
+        layer=path, reset_to=reset_to, state=forget_run(state),
+        layers=(path,),
+    )
+
+
+MAX_REPLAYS = 16
+"""The most replays `fall_back_all` makes after the first move (each moves
+at least one more layer, and costs about two training steps)."""
+
+
+def fall_back_all(model, event, report, state, rules, batch, scale):
+    """`fall_back`, then every further layer the same batch overflows.
+
+    After the located layer moves to float32, the offending `batch` is
+    replayed (`locate`, at loss scale `scale`) with the new dtypes; a layer
+    whose output is still non-finite moves too, and so on, at most
+    `MAX_REPLAYS` times: one event fixes every layer that batch overflows,
+    instead of one layer per run of `patience` skipped steps.
+
+    Returns:
+        A `Fallback` with every moved layer in `layers` (and the first in
+        `layer`), the loss scale to restart from (the first move's), and a
+        `note` when the batch still overflows: a layer that already computes
+        in float32 (not a half-precision overflow), a layer that cannot
+        move, or the replay limit.
+    """
+    result = fall_back(event, report, state, rules)
+    if result.refusal is not None:
+        return result
+    moved = list(result.layers)
+    current = result.state
+    note = None
+    for _ in range(MAX_REPLAYS):
+        report, fields = locate(model, batch, scale)
+        path = fields.get("layer")
+        if report is None or path is None:
+            break  # the forward pass is finite now (or cannot be replayed)
+        more = fall_back(
+            {"kind": event["kind"], "layer": path}, report, current, rules
+        )
+        if more.refusal is not None:
+            note = (f"{path!r} still outputs inf/NaN on that batch: "
+                    f"{more.refusal}")
+            break
+        moved.append(more.layer)
+        current = more.state
+    else:
+        note = (
+            f"the batch still overflows after {MAX_REPLAYS} more replays"
+        )
+    return dataclasses.replace(
+        result, state=current, layers=tuple(moved), note=note
     )
 
 

@@ -9,6 +9,7 @@ import warnings
 import keras
 
 from kerasmp import train_step as _train_step
+from kerasmp.optimizer import LossScaleOptimizer
 
 
 def user_stacklevel():
@@ -34,24 +35,32 @@ def warn(message, category=UserWarning):
 
 def needs_kerasmp_optimizer(monitor, optimizer):
     """The one-line warning when the model is not trained with
-    `kerasmp.LossScaleOptimizer` (nothing then puts the scale in the logs);
-    None when it is."""
+    `kerasmp.LossScaleOptimizer` in kerasmp's train step (nothing then puts
+    the scale in the logs); None when it is."""
     if _train_step.scaled(monitor.model):
         return None
-    name = type(optimizer).__name__
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return (
-            f"{type(monitor).__name__}: loss_scale and skipped_steps come from "
-            "kerasmp.LossScaleOptimizer; this model uses Keras's own "
-            "LossScaleOptimizer: compile with kerasmp.LossScaleOptimizer."
-            "from_config(optimizer.get_config()) (same settings)."
-        )
+    monitor_name = type(monitor).__name__
     if not _train_step.supported():
         return (
-            f"{type(monitor).__name__}: logging the loss scale needs the "
-            "TensorFlow or JAX backend (without NNX); nothing will be logged."
+            f"{monitor_name}: logging the loss scale needs the TensorFlow, "
+            "JAX (without NNX) or PyTorch backend; nothing will be logged."
+        )
+    if isinstance(optimizer, LossScaleOptimizer):
+        return (
+            f"{monitor_name}: this model's train step is not kerasmp's (it "
+            "was compiled before kerasmp was imported, or its optimizer was "
+            "set after compile): call model.compile again; `loss_scale` and "
+            "`skipped_steps` will not be logged."
+        )
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return (
+            f"{monitor_name}: loss_scale and skipped_steps come from "
+            "kerasmp.LossScaleOptimizer; this model uses Keras's own "
+            "LossScaleOptimizer: compile with "
+            "kerasmp.LossScaleOptimizer(optimizer) (it takes Keras's "
+            "optimizer and keeps its inner optimizer and settings)."
         )
     return (
-        f"{type(monitor).__name__}: the optimizer ({name}) has no loss scale; "
-        "`loss_scale` and `skipped_steps` will not be logged."
+        f"{monitor_name}: the optimizer ({type(optimizer).__name__}) has no "
+        "loss scale; `loss_scale` and `skipped_steps` will not be logged."
     )

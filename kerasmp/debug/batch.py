@@ -1,8 +1,11 @@
-"""The loss and gradients of one batch, outside `fit`, on TF and JAX.
+"""The loss and gradients of one batch, outside `fit`, on TensorFlow, JAX
+and PyTorch.
 
 Shared by `kerasmp.debug.find_nonfinite` and `kerasmp.debug.gradients`: both
 compute the (scaled) loss and gradients of a batch the way the backend's
-trainer does, then put the variables back as they were.
+trainer does, then put the variables back as they were. `concrete` (whether
+a layer's output holds values to read) is shared with `kerasmp.check`'s
+traced run.
 """
 
 import math
@@ -20,6 +23,38 @@ def fmt(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return f"{value:.3g}"
+
+
+def concrete(x):
+    """Whether `x` holds values that can be read now: False for a symbolic
+    tensor (a `KerasTensor`, a TensorFlow graph tensor) and for a JAX tracer,
+    which is what a layer called inside `keras.ops.cond`, `while_loop`,
+    `scan` or `vectorized_map` returns on JAX even in an eager pass (the
+    branch or body is traced, not run op by op)."""
+    if isinstance(x, keras.KerasTensor):
+        return False
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.is_symbolic_tensor(x)
+    return True
+
+
+def dense(g):
+    """A gradient as a NumPy array (a TensorFlow IndexedSlices made dense),
+    or None."""
+    if g is None:
+        return None
+    if hasattr(g, "dense_shape"):  # tf.IndexedSlices
+        import tensorflow as tf
+
+        g = tf.convert_to_tensor(g)
+    return to_numpy(g)
 
 
 def snapshot(variables):
@@ -58,25 +93,51 @@ def check_loss(model, loss):
         )
 
 
+def _loss_value(model, x, y, y_pred, sample_weight, loss, training):
+    """The float32 loss of `y_pred` (TensorFlow and PyTorch, eagerly)."""
+    if loss is None:
+        value = model.compute_loss(
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=training,
+        )
+    else:
+        value = user_loss(loss)(y, y_pred, sample_weight)
+    return ops.cast(value, "float32")
+
+
 def gradients_tf(model, x, y, sample_weight, loss, scale, training):
     import tensorflow as tf
 
     variables = model.trainable_variables
     with tf.GradientTape() as tape:
         y_pred = model(x, **call_kwargs(model, training))
-        if loss is None:
-            value = model.compute_loss(
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=training,
-            )
-        else:
-            value = user_loss(loss)(y, y_pred, sample_weight)
-        value = ops.cast(value, "float32")
+        value = _loss_value(model, x, y, y_pred, sample_weight, loss, training)
         scaled = value * scale
     return value, tape.gradient(scaled, variables)
+
+
+def gradients_torch(model, x, y, sample_weight, loss, scale, training):
+    """As Keras's PyTorch train step, but with `torch.autograd.grad`: the
+    gradients are returned, never accumulated into the variables' `.grad`
+    (a running `fit` keeps its own)."""
+    import torch
+
+    variables = model.trainable_variables
+    y_pred = model(x, **call_kwargs(model, training))
+    value = _loss_value(model, x, y, y_pred, sample_weight, loss, training)
+    tensors = [v.value for v in variables]
+    wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
+    grads = [None] * len(tensors)
+    if wanted and value.requires_grad:
+        found = torch.autograd.grad(
+            value * scale, [tensors[i] for i in wanted], allow_unused=True
+        )
+        for i, g in zip(wanted, found):
+            grads[i] = g
+    return value.detach(), grads
 
 
 def gradients_jax(model, x, y, sample_weight, loss, scale, training):
@@ -119,17 +180,23 @@ def gradients_jax(model, x, y, sample_weight, loss, scale, training):
     return value, grads
 
 
+GRADIENTS = {
+    "tensorflow": gradients_tf,
+    "jax": gradients_jax,
+    "torch": gradients_torch,
+}
+"""The batch gradient function of each backend."""
+
+
 def gradients(model, x, y, sample_weight, loss, scale, training):
     check_loss(model, loss)
     backend = keras.backend.backend()
-    if backend == "tensorflow":
-        fn = gradients_tf
-    elif backend == "jax":
-        fn = gradients_jax
-    else:
+    fn = GRADIENTS.get(backend)
+    if fn is None:
         raise NotImplementedError(
-            f"find_nonfinite checks gradients on the TensorFlow and JAX "
-            f"backends only (current: {backend!r}); call it without `y`."
+            "find_nonfinite checks gradients on the TensorFlow, JAX and "
+            f"PyTorch backends only (current: {backend!r}); call it without "
+            "`y`."
         )
     value, grads = fn(model, x, y, sample_weight, loss, scale, training)
     return float(to_numpy(value)), grads

@@ -84,19 +84,38 @@ class CheckReport:
 
     def __str__(self):
         if self.clean:
-            lines = ["kerasmp check: no precision hazards found."]
+            lines = ["kerasmp check: no precision hazards found" + (
+                " by the checks that ran (see the notes)." if self.notes
+                else ".")]
         else:
             lines = [render_table(
                 ("severity", "finding", "layer", "what"),
                 [(f.severity, f.code, f.path or "(model)", f.message)
                  for f in self.findings],
                 rule="columns", strip=True)]
+            # Each finding is one row above; below, why and fix once per
+            # kind of finding (one kind, many layers), and a fix per layer
+            # where they differ (the padding of each size).
+            groups = {}
+            for f in self.findings:
+                groups.setdefault((f.code, f.why), []).append(f)
+            for (code, why), found in groups.items():
+                where = list(dict.fromkeys(f.path or "(model)" for f in found))
+                fixes = list(dict.fromkeys(
+                    (f.path or "(model)", f.fix) for f in found))
+                lines.append("")
+                lines.append(
+                    f"{code} ({found[0].severity}; "
+                    + (where[0] if len(where) == 1
+                       else f"{len(where)} layers") + "):")
+                lines.append(f"  why: {why}")
+                if len({fix for _, fix in fixes}) == 1:
+                    lines.append(f"  fix: {fixes[0][1]}")
+                else:
+                    lines.append("  fix:")
+                    lines += [f"    {path}: {fix}" for path, fix in fixes]
+        if self.notes:
             lines.append("")
-            for i, f in enumerate(self.findings, 1):
-                lines.append(f"{i}. [{f.severity}] {f.code} at "
-                             f"{f.path or '(model)'}: {f.message}")
-                lines.append(f"   why: {f.why}")
-                lines.append(f"   fix: {f.fix}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -31,8 +31,10 @@ from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import log2_text
 from kerasmp._utils.table import render_table
+from kerasmp.debug.batch import GRADIENTS
 from kerasmp.debug.batch import call_kwargs
 from kerasmp.debug.batch import check_loss
+from kerasmp.debug.batch import dense
 from kerasmp.debug.batch import fmt
 from kerasmp.debug.batch import gradients
 from kerasmp.debug.batch import gradients_jax
@@ -329,24 +331,14 @@ def _float32_everywhere(model):
             layer.dtype_policy = stored
 
 
-def _dense(g):
-    """A gradient as a float64 numpy array (IndexedSlices made dense)."""
-    if g is None:
-        return None
-    if hasattr(g, "dense_shape"):  # tf.IndexedSlices
-        import tensorflow as tf
-
-        g = tf.convert_to_tensor(g)
-    return to_numpy(g)
-
-
 class _Passes:
     """Computes `(loss, [numpy gradient or None])` of one pass per scale.
 
-    TensorFlow: eagerly, with `find_nonfinite`'s gradient code. JAX: the
-    same code under one `jax.jit` per dtype configuration, with the scale,
-    the variable values and the batch as arguments, so that the candidate
-    scales share one compiled program (as `fit` compiles its train step).
+    TensorFlow and PyTorch: eagerly, with `find_nonfinite`'s gradient code.
+    JAX: the same code under one `jax.jit` per dtype configuration, with the
+    scale, the variable values and the batch as arguments, so that the
+    candidate scales share one compiled program (as `fit` compiles its train
+    step).
     The model's non-trainable and metric state is restored around each pass.
     """
 
@@ -388,7 +380,7 @@ class _Passes:
                 )
         finally:
             restore(self.state)
-        return value, [_dense(g) for g in grads]
+        return value, [dense(g) for g in grads]
 
 
 def _compare(grads, reference, scale):
@@ -450,7 +442,7 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
     gradients divided by it afterwards) for each candidate scale, and once
     with every layer computing in float32 with the same weights (the
     reference). Works with Sequential, Functional and subclassed models
-    (dict inputs included), on TensorFlow and JAX. The weights and the
+    (dict inputs included), on TensorFlow, JAX and PyTorch. The weights and the
     optimizer are never changed; batch-norm statistics, seed generators and
     metrics are restored after every pass.
 
@@ -499,10 +491,10 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
         raise ValueError("gradient_report: `y` (the targets) is required.")
     check_loss(model, loss)
     backend = keras.backend.backend()
-    if backend not in ("tensorflow", "jax"):
+    if backend not in GRADIENTS:
         raise NotImplementedError(
-            "gradient_report runs on the TensorFlow and JAX backends only "
-            f"(current: {backend!r})."
+            "gradient_report runs on the TensorFlow, JAX and PyTorch "
+            f"backends only (current: {backend!r})."
         )
 
     if not model.built:

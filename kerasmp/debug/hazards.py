@@ -13,7 +13,9 @@ what was found, why it matters and the fix. Severities:
   `kerasmp check` exits 1 when one is present.
 - `"warning"`: a likely loss of accuracy (a normalization, softmax, exp or
   log computing in float16, a subnormal epsilon, half-precision model
-  outputs, a stock mixed policy that kerasmp's rules do not govern).
+  outputs, a stock mixed policy that kerasmp's rules do not govern), or
+  what `compile` will move to float32 by measurement (a layer that fails in
+  half precision, an MoE router: `kerasmp.policy.measure`, run dry).
 - `"info"`: GPU advice only (tensor-core sizes), reported when a GPU is
   visible or when asked with `gpu=True`; it never applies on a CPU, so a
   model that is clean on a CPU reports nothing there.
@@ -33,6 +35,7 @@ from kerasmp._utils.arrays import FLOAT16_MAX
 from kerasmp._utils.arrays import FLOAT16_MIN_NORMAL
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
+from kerasmp._utils.layers import walk
 from kerasmp.debug.findings import HALF
 from kerasmp.debug.findings import CheckReport
 from kerasmp.debug.findings import Finding
@@ -42,11 +45,15 @@ from kerasmp.debug.traced_run import traced_run
 from kerasmp.policy import Policy
 from kerasmp.policy import global_policy
 from kerasmp.policy import stored_policy
+from kerasmp.policy.measure import FAILS_RULE
+from kerasmp.policy.measure import is_measured
+from kerasmp.policy.measure import measure
 from kerasmp.policy.norms import KNOWN_FLOAT16_HAZARDS
 from kerasmp.policy.norms import UNDECIDED
 from kerasmp.policy.norms import is_keras_normalization
 from kerasmp.policy.norms import known_float16_hazard
 from kerasmp.policy.norms import normalization_by_name
+from kerasmp.policy.plan import plan
 from kerasmp.policy.rules import activation_name
 
 TENSOR_CORE_MULTIPLE = 8
@@ -263,19 +270,64 @@ def _known_hazards(model):
     return findings
 
 
+def _einsum_dims(layer, shape):
+    """The matmul sizes of an EinsumDense: `("matmul input size", factors)`
+    (the kernel axes the equation contracts) and `("matmul output size",
+    factors)` (the kernel axes only the output has). Axes the input and the
+    output share (per-head weights) are batch axes of the matmul, not sizes
+    tensor cores tile."""
+    try:
+        inputs, output = layer.equation.split("->")
+        x_spec, k_spec = inputs.split(",")
+    except (AttributeError, ValueError):
+        return []
+    x_spec, k_spec, output = (
+        spec.replace("...", "") for spec in (x_spec, k_spec, output))
+    if len(k_spec) != len(shape):
+        return []
+    contracted = tuple(d for a, d in zip(k_spec, shape)
+                       if a in x_spec and a not in output)
+    produced = tuple(d for a, d in zip(k_spec, shape)
+                     if a in output and a not in x_spec)
+    return [(what, factors) for what, factors in (
+        ("matmul input size", contracted),
+        ("matmul output size", produced)) if factors]
+
+
 def _dims(layer):
-    """(what, size) pairs of a matmul/conv/embedding layer's dimensions."""
+    """`(what, factors)` of a matmul/conv/embedding layer's sizes (a size is
+    the product of its factors: one, but for EinsumDense)."""
     if isinstance(layer, keras.layers.Embedding):
-        return [("output_dim", layer.output_dim)]
+        return [("output_dim", (layer.output_dim,))]
     kernel = getattr(layer, "kernel", None)
     shape = tuple(getattr(kernel, "shape", ()) or ())
     if isinstance(layer, keras.layers.Dense) and len(shape) == 2:
-        return [("input size", shape[0]), ("units", shape[1])]
+        return [("input size", (shape[0],)), ("units", (shape[1],))]
     if isinstance(layer, keras.layers.EinsumDense) and shape:
-        return [(f"kernel dimension {i}", d) for i, d in enumerate(shape)]
+        return _einsum_dims(layer, shape)
     if len(shape) >= 3 and "Conv" in type(layer).__name__:
-        return [("input channels", shape[-2]), ("filters", shape[-1])]
+        return [("input channels", (shape[-2],)), ("filters", (shape[-1],))]
     return []
+
+
+def _padded(factors):
+    """The fix for a size that is the product of `factors`: pad the factor
+    whose padding costs the least work. Returns `(text, ratio)`."""
+    size = int(np.prod(factors))
+    best = None
+    for i, f in enumerate(factors):
+        rest = size // f
+        new = f + 1
+        while (new * rest) % TENSOR_CORE_MULTIPLE:
+            new += 1
+        if best is None or new * rest < best[2]:
+            best = (i, new, new * rest)
+    i, new, padded = best
+    if len(factors) == 1:
+        return f"pad {size} to {padded}", padded / size
+    product = " x ".join(str(new if j == i else f)
+                         for j, f in enumerate(factors))
+    return f"pad {factors[i]} to {new}: {product} = {padded}", padded / size
 
 
 def _tensor_cores(model):
@@ -283,25 +335,72 @@ def _tensor_cores(model):
     for path, layer in checked_layers(model):
         if layer.compute_dtype not in HALF:
             continue
-        for what, size in _dims(layer):
-            if not isinstance(size, int) or size % TENSOR_CORE_MULTIPLE == 0:
+        for what, factors in _dims(layer):
+            if not all(isinstance(f, int) for f in factors):
                 continue
-            padded = -(-size // TENSOR_CORE_MULTIPLE) * TENSOR_CORE_MULTIPLE
+            size = int(np.prod(factors))
+            if size % TENSOR_CORE_MULTIPLE == 0:
+                continue
+            fix, ratio = _padded(factors)
+            product = (f" ({' x '.join(map(str, factors))})"
+                       if len(factors) > 1 else "")
             findings.append(Finding(
                 "info", "tensor_core_size", path,
-                f"{type(layer).__name__} {what} {size} is not a multiple of "
-                f"{TENSOR_CORE_MULTIPLE} (GPU advice)",
+                f"{type(layer).__name__} {what} {size}{product} is not a "
+                f"multiple of {TENSOR_CORE_MULTIPLE} (GPU advice)",
                 "on NVIDIA GPUs, half-precision matmuls and convolutions use "
                 "tensor cores fully only when these sizes are multiples of 8; "
                 "otherwise cuBLAS/cuDNN pick padded or non-tensor-core "
                 "kernels, which NVIDIA's performance guide shows running "
                 "several times slower for that layer. No effect on a CPU",
-                f"pad {size} to {padded} ({padded / size:.2f}x this "
-                "dimension's work, usually still faster)"))
+                f"{fix} ({ratio:.2f}x this size's work; usually still "
+                "faster)"))
     return findings
 
 
 # ------------------------------------------------------------------- API
+
+
+def _measured(model):
+    """What `compile` will move to float32 by measurement (layers failing in
+    half precision, MoE routers: `kerasmp.policy.measure`), found by the
+    same symbolic run, with every layer put back as it was. Nothing for a
+    model already compiled (those layers then compute in float32, and the
+    other checks see them so) or one no half-precision kerasmp policy
+    governs."""
+    governing = plan(model)
+    if not governing.governed or is_measured(model):
+        return []
+    findings = []
+    half = governing.policy.compute_dtype
+    for path, rule in measure(model, governing.policy, dry_run=True):
+        layer = _layer_at(model, path)
+        name = type(layer).__name__ if layer is not None else "layer"
+        if rule == FAILS_RULE.format(dtype=half):
+            findings.append(Finding(
+                "warning", "fails_in_half", path,
+                f"{name} fails in {half} (it mixes {half} and float32 in "
+                "one op, or calls an op without a half-precision kernel)",
+                f"under Keras's own mixed_{half} the first `fit` raises "
+                "there",
+                "nothing to do with kerasmp: `compile` moves it to float32 "
+                "and warns once; or build it with dtype='float32'"))
+        else:
+            findings.append(Finding(
+                "warning", "moe_router", path,
+                f"{name}: {rule}",
+                "in half precision near-equal router scores round to ties "
+                "and top-k picks other experts than in float32",
+                "nothing to do with kerasmp: `compile` moves it to float32; "
+                "or build it with dtype='float32'"))
+    return findings
+
+
+def _layer_at(model, path):
+    for p, layer in walk(model):
+        if p == path:
+            return layer
+    return None
 
 
 def _gpu_visible():
@@ -365,6 +464,7 @@ def check(model, x=None, gpu=None):
     findings = []
     findings += _stock_policy(model)
     findings += _known_hazards(model)
+    findings += _measured(model)
     findings += _normalizations_in_half(model)
     findings += _epsilons(model)
     findings += _half_variables(model)

@@ -25,6 +25,8 @@ from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
 from kerasmp.debug.batch import call_kwargs
+from kerasmp.debug.batch import concrete
+from kerasmp.debug.batch import dense
 from kerasmp.debug.batch import fmt
 from kerasmp.debug.batch import gradients
 from kerasmp.debug.batch import restore
@@ -90,11 +92,17 @@ class NonFiniteReport:
             `"x[1]"` or `"x['tokens']"`); such an input turns into inf as
             soon as a float16 layer casts it, so it is the first cause of
             anything non-finite after it. Empty otherwise.
+        traced: paths of the layers called inside traced control flow
+            (`keras.ops.cond`, `while_loop`, `scan`, `vectorized_map` on
+            JAX, which traces the branch or body even in an eager pass):
+            their outputs hold no values to check, so they have no row; the
+            layer that holds the control flow has one, for its outputs.
     """
 
     def __init__(self, rows, layer, variable, loss, loss_scale, layers,
-                 inputs_out_of_range=()):
+                 inputs_out_of_range=(), traced=()):
         self.rows = rows
+        self.traced = list(traced)
         self.layer = layer
         self.variable = variable
         self.loss = loss
@@ -174,6 +182,13 @@ class NonFiniteReport:
                 f"{fmt(max_abs)}, beyond float16's max 65504 (nothing "
                 "non-finite came of it on this batch)"
             )
+        if self.traced:
+            summary.append(
+                f"note: {len(self.traced)} layer(s) ran inside traced "
+                "control flow (keras.ops.cond, while_loop, scan): not "
+                f"checked, no row ({', '.join(self.traced[:4])}"
+                + (", ..." if len(self.traced) > 4 else "") + ")"
+            )
         summary.append(f"first non-finite layer output: {self.layer}")
         if with_grads or self.loss is not None:
             summary.append(
@@ -239,15 +254,21 @@ def record_calls(layers, record):
 
 
 def _float_arrays(structure):
-    arrays = []
+    """`(arrays, traced)`: `(dtype, NumPy array)` of the concrete float
+    tensors in `structure`, and whether any float tensor was not concrete
+    (a layer called inside traced control flow: `batch.concrete`)."""
+    arrays, traced = [], False
     for t in keras.tree.flatten(structure):
         if t is None or not hasattr(t, "dtype"):
             continue
         dtype = keras.backend.standardize_dtype(t.dtype)
         if _float_max(dtype) is None:
             continue
+        if not concrete(t):
+            traced = True
+            continue
         arrays.append((dtype, to_numpy(t)))
-    return arrays
+    return arrays, traced
 
 
 def _stats(arrays):
@@ -352,9 +373,13 @@ def find_nonfinite(
 
     paths = layer_paths(model)
     calls = []
+    traced = []
 
     def record(layer, outputs):
-        calls.append((layer, _stats(_float_arrays(outputs))))
+        arrays, traced_outputs = _float_arrays(outputs)
+        if traced_outputs:
+            traced.append(layer)
+        calls.append((layer, _stats(arrays)))
 
     state = snapshot(
         list(model.non_trainable_variables) + list(model.metrics_variables)
@@ -404,6 +429,7 @@ def find_nonfinite(
         loss_scale,
         by_path,
         _inputs_out_of_range(model, x),
+        traced=list(dict.fromkeys(paths[id(layer)][0] for layer in traced)),
     )
 
 
@@ -456,7 +482,7 @@ def _gradient_rows(model, calls, paths, rows, row_index, grads):
     for index, (v, g) in enumerate(zip(model.trainable_variables, grads)):
         if g is None:
             continue
-        g = to_numpy(getattr(g, "values", g)).astype(np.float64)
+        g = dense(g).astype(np.float64)
         finite = bool(np.isfinite(g).all())
         if finite:
             max_abs = float(np.max(np.abs(g))) if g.size else 0.0

@@ -6,15 +6,26 @@ first layer to produce inf/NaN from finite inputs) and, by wrapping
 `keras.ops`' exp, log, softmax, log_softmax and logsumexp for the duration of
 the pass, which layer calls them on float16 tensors (custom code that no
 layer rule sees). Nothing of the model changes.
+
+Only concrete values are read. A layer called inside `keras.ops.cond`,
+`while_loop`, `scan` or `vectorized_map` gets traced values on JAX (the
+branch or loop body is traced even in an eager pass): its outputs cannot be
+checked, the report's notes name such layers, and the layer that holds the
+control flow is checked on its concrete outputs (so an inf/NaN made inside
+a branch is named at that layer).
 """
 
 import contextlib
+import re
 
 import keras
 import numpy as np
 
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
+from kerasmp._utils.instrument import running_layers
+from kerasmp._utils.instrument import watching_ops
+from kerasmp.debug.batch import concrete
 from kerasmp.debug.findings import HALF
 from kerasmp.debug.findings import Finding
 from kerasmp.debug.findings import checked_layers
@@ -56,78 +67,79 @@ def _sample_inputs(model):
     return values[0] if len(values) == 1 else values
 
 
-def _nonfinite(structure):
-    """Whether a float tensor in `structure` holds NaN or +inf (-inf alone
-    is how masks are written, and harmless before a softmax)."""
+def _float_tensors(structure):
+    """The float tensors in `structure`, and whether any was not concrete
+    (see `kerasmp.debug.batch.concrete`): `(concrete ones, traced)`."""
+    found, traced = [], False
     for t in keras.tree.flatten(structure):
-        if is_float(dtype_name(t)) and not isinstance(t, keras.KerasTensor):
-            a = to_numpy(t).astype(np.float64)
-            if np.isnan(a).any() or np.isposinf(a).any():
-                return True
+        if not is_float(dtype_name(t)):
+            continue
+        if concrete(t):
+            found.append(t)
+        else:
+            traced = True
+    return found, traced
+
+
+def _nonfinite(tensors):
+    """Whether a float tensor of `tensors` holds NaN or +inf (-inf alone is
+    how masks are written, and harmless before a softmax)."""
+    for t in tensors:
+        a = to_numpy(t).astype(np.float64)
+        if np.isnan(a).any() or np.isposinf(a).any():
+            return True
     return False
 
 
 @contextlib.contextmanager
-def _traced(model, layers, events):
-    """Wraps each layer's `call` (a stack of running layers, the first
-    inf/NaN output) and `keras.ops`' exp/log/softmax functions (which layer
-    calls them on float16 tensors) for the duration of the block."""
-    stack = []
-    wrapped = []
-    for path, layer in layers:
-        had_own = "call" in layer.__dict__
-        original = layer.call
+def _traced(layers, events):
+    """Watches each layer's `call` (the first inf/NaN output) and
+    `keras.ops`' exp/log/softmax functions (which layer calls them on
+    float16 tensors) for the duration of the block
+    (`kerasmp._utils.instrument`)."""
 
-        def call(*args, _original=original, _path=path, **kwargs):
-            if "first_nonfinite" not in events and stack and _nonfinite(
-                    (args, kwargs)):
-                # Non-finite inputs made inside the running parent's own
-                # code (not by a sublayer): the parent is the origin.
-                events["first_nonfinite"] = stack[-1]
-            stack.append(_path)
-            try:
-                outputs = _original(*args, **kwargs)
-            finally:
-                stack.pop()
-            if "first_nonfinite" not in events and _nonfinite(outputs):
-                events["first_nonfinite"] = _path
-            return outputs
+    def around(path, call, args, kwargs):
+        inputs, traced = _float_tensors((args, kwargs))
+        parent = watch.stack[-2][0] if len(watch.stack) > 1 else None
+        if "first_nonfinite" not in events and parent and _nonfinite(inputs):
+            # Non-finite inputs made inside the running parent's own code
+            # (not by a sublayer): the parent is the origin.
+            events["first_nonfinite"] = parent
+        outputs = call(*args, **kwargs)
+        outputs_found, outputs_traced = _float_tensors(outputs)
+        if traced or outputs_traced:
+            events.setdefault("traced", []).append(path)
+        if "first_nonfinite" not in events and _nonfinite(outputs_found):
+            events["first_nonfinite"] = path
+        return outputs
 
-        object.__setattr__(layer, "call", call)
-        wrapped.append((layer, had_own, original))
+    def on_call(current, name, x):
+        if current is not None and dtype_name(x) == "float16":
+            key = (current[0], name)
+            ops = events.setdefault("ops", {})
+            ops[key] = ops.get(key, 0) + 1
 
-    patched = []
-    for module in (keras.ops, keras.ops.nn, keras.activations):
-        for name in TRACED_OPS:
-            fn = getattr(module, name, None)
-            if fn is None:
-                continue
+    with running_layers(layers, around) as watch:
+        with watching_ops(watch, TRACED_OPS, on_call):
+            yield
 
-            def op(x, *args, _fn=fn, _name=name, **kwargs):
-                if stack and dtype_name(x) == "float16":
-                    events.setdefault("ops", {}).setdefault(
-                        (stack[-1], _name), 0)
-                    events["ops"][(stack[-1], _name)] += 1
-                return _fn(x, *args, **kwargs)
 
-            setattr(module, name, op)
-            patched.append((module, name, fn))
-    try:
-        yield
-    finally:
-        for module, name, fn in patched:
-            setattr(module, name, fn)
-        for layer, had_own, original in wrapped:
-            if had_own:
-                object.__setattr__(layer, "call", original)
-            else:
-                object.__delattr__(layer, "call")
+def _error_line(error):
+    """The first informative line of `error`'s message (Keras wraps a
+    layer's error in "Exception encountered when calling ..." and bold
+    terminal codes), at most 200 characters."""
+    for line in str(error).splitlines():
+        line = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+        if line and not line.startswith("Exception encountered when"):
+            return line[:200].rstrip(".")
+    return ""
 
 
 def traced_run(model, x):
     """`(findings, notes)` of one traced forward pass of `model` on `x`
     (None: a sample batch shaped like the model's inputs)."""
     findings, notes = [], []
+    given = x is not None
     if x is None:
         x = _sample_inputs(model)
     if x is None:
@@ -139,11 +151,32 @@ def traced_run(model, x):
     dtypes = {path: layer.compute_dtype for path, layer in layers}
     classes = {path: type(layer).__name__ for path, layer in layers}
     events = {}
-    with _traced(model, layers, events):
-        outputs = model(x, training=False)
+    try:
+        with _traced(layers, events):
+            outputs = model(x, training=False)
+    except Exception as e:  # noqa: BLE001  (the model's own failure)
+        first_line = _error_line(e)
+        batch = ("the `x` given" if given else
+                 "a sample batch shaped like its inputs (unknown sizes "
+                 "set to 8)")
+        notes.append(
+            f"the traced checks did not run: the model raised "
+            f"{type(e).__name__} on {batch}: {first_line}"
+            + ("" if given else "; pass `x`, a batch the model accepts "
+               "(`kerasmp check --sample FILE`)"))
+        return findings, notes
 
+    traced = list(dict.fromkeys(events.get("traced", ())))
+    if traced:
+        notes.append(
+            f"{len(traced)} layer(s) ran inside traced control flow "
+            "(keras.ops.cond, while_loop, scan or vectorized_map on JAX), "
+            "where values are not concrete: their outputs were not checked "
+            f"for inf/NaN ({', '.join(traced[:4])}"
+            + (", ..." if len(traced) > 4 else "") + "); the layers that "
+            "hold the control flow were, on their outputs")
     first = events.get("first_nonfinite")
-    if first is not None and not _nonfinite(x):
+    if first is not None and not _nonfinite(_float_tensors(x)[0]):
         if dtypes.get(first) == "float16":
             findings.append(Finding(
                 "error", "nonfinite_in_float16", first,

@@ -17,6 +17,9 @@ gradient with a `GradientTape` in a `tf.function`; JAX with `jax.grad` of
 the loss with respect to zeros added to each matmul output, in one
 `jax.jit` that takes the model's values as arguments, read in place from
 a running `fit` (`kerasmp.float8.jax_fit_state`), so nothing is synced.
+PyTorch runs the replay eagerly, as its `fit` does, and takes the gradient
+with `torch.autograd.grad` with respect to the recorded matmul outputs
+(nothing accumulates in the variables' `.grad`).
 """
 
 import contextlib
@@ -98,11 +101,13 @@ def record(model, layers, x, y=None, cache=None):
     (`kerasmp.float8.jax_fit_state`): nothing is written back."""
     loss_fn = _loss_fn(model) if y is not None else None
     backend = keras.backend.backend()
+    if backend == "torch":
+        inputs, grads = _torch_replay(model, layers, loss_fn, x, y)
+        return _rows(len(layers), inputs, grads)
     if backend not in ("tensorflow", "jax"):
         with _recording(layers, lambda i, pre: pre) as inputs:
             model(x, training=False)
-        return [{"inputs": to_numpy(inputs[i])} if i in inputs else {}
-                for i in range(len(layers))]
+        return _rows(len(layers), {str(i): v for i, v in inputs.items()}, {})
     cache = {} if cache is None else cache
     # The optimizer too: the JAX replay maps its variables (the loss scale),
     # and a compile with a new optimizer brings new ones.
@@ -124,8 +129,14 @@ def record(model, layers, x, y=None, cache=None):
         inputs, grads = run(*args)
     else:
         inputs, grads = run(x, y if loss_fn is not None else None)
+    return _rows(len(layers), inputs, grads)
+
+
+def _rows(count, inputs, grads):
+    """`record`'s rows from the replay's inputs and output gradients (keyed
+    by the layer's index as a string)."""
     out = []
-    for i in range(len(layers)):
+    for i in range(count):
         row = {"inputs": to_numpy(inputs[str(i)])} if str(i) in inputs else {}
         if str(i) in grads:
             row["outputs_grad"] = to_numpy(grads[str(i)])
@@ -233,3 +244,31 @@ def _jax_replay(model, layers, loss_fn):
         return replay_grads(values, x, y)
 
     return run
+
+
+def _torch_replay(model, layers, loss_fn, x, y):
+    """(inputs, output gradients) by layer index (str keys): one eager
+    forward pass and, with `loss_fn`, `torch.autograd.grad` of the loss
+    with respect to each recorded matmul output."""
+    import torch
+
+    outputs = {}
+
+    def keep(i, pre):
+        outputs[i] = pre
+        return pre
+
+    with torch.enable_grad(), _recording(layers, keep) as inputs:
+        y_pred = model(x, training=False)
+        inputs = dict(inputs)
+    if loss_fn is None:
+        return {str(i): v for i, v in inputs.items()}, {}
+    loss = _loss(model, loss_fn, y, y_pred)
+    keys = [i for i in sorted(outputs) if outputs[i].requires_grad]
+    grads = []
+    if keys and loss.requires_grad:
+        grads = torch.autograd.grad(
+            loss, [outputs[i] for i in keys], allow_unused=True
+        )
+    return ({str(i): v for i, v in inputs.items()},
+            {str(i): g for i, g in zip(keys, grads) if g is not None})

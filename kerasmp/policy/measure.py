@@ -55,6 +55,17 @@ ROUTER_RULE = "MoE router (calls top_k)"
 PROJECTION_RULE = "MoE router scores ({router})"
 
 _HALF = ("float16", "bfloat16")
+_MEASURED = "_kerasmp_measured"  # in a model's __dict__ once measured
+
+
+def is_measured(model):
+    """Whether `compile` has measured `model` (it does so once per model)."""
+    return _MEASURED in model.__dict__
+
+
+def mark_measured(model):
+    """Records that `model` is measured; later compiles do not measure."""
+    object.__setattr__(model, _MEASURED, True)
 
 
 def _symbolic_inputs(model):

@@ -19,6 +19,8 @@ from kerasmp import float8
 from kerasmp.callbacks import Float8Monitor
 from kerasmp.float8 import telemetry as tm
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 
 @keras.saving.register_keras_serializable(package="test_float8_monitor")
 class Gain(keras.layers.Layer):

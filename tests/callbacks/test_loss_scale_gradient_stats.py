@@ -4,8 +4,10 @@ float32.
 
 Reference: a loss multiplied by 1e-6 has gradients around 1e-8 at the
 output layer, below float16's smallest subnormal (6e-8): without loss
-scaling (static scale 1) most of them flush to zero in float16 while the
-float32 reference keeps them; at 2**15 they are representable.
+scaling (static scale 1) a large share of the gradient elements flush to
+zero in float16 while the float32 reference keeps them (a fifth to a half
+of them on this model, depending on the batch and the backend's float16
+arithmetic); at 2**15 they are representable.
 """
 
 import csv
@@ -18,6 +20,8 @@ from keras import ops
 
 from kerasmp.callbacks import LossScaleMonitor
 from kerasmp.optimizer import LossScaleOptimizer
+
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
 
 BATCH = 8
 STEPS = 4
@@ -46,7 +50,7 @@ def _data():
 
 
 @pytest.mark.parametrize(
-    "scale, low, high", [(1.0, 0.3, 1.0), (2.0**15, 0.0, 0.05)]
+    "scale, low, high", [(1.0, 0.2, 1.0), (2.0**15, 0.0, 0.05)]
 )
 def test_grad_underflow_is_logged_every_n_steps(
         tmp_path, scale, low, high, mixed_policy):

@@ -26,6 +26,8 @@ from kerasmp.optimizer import LossScaleOptimizer
 from kerasmp.policy import Policy
 from kerasmp.policy import set_global_policy
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 BATCH = 8
 JAX = keras.backend.backend() == "jax"
 

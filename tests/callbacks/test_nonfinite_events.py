@@ -25,6 +25,8 @@ from kerasmp.callbacks.nonfinite_events import new_event
 from kerasmp.callbacks.nonfinite_events import start
 from kerasmp.callbacks.nonfinite_events import weights_event
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 RULES = Rules(patience=3, scaled=True, dynamic=True, min_scale=1.0)
 
 

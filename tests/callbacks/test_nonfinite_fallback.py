@@ -2,17 +2,25 @@
 (kerasmp/callbacks/nonfinite_fallback.py),
 on small models without a fit: which layers move to float32 and when the
 fallback refuses, the loss scale it restarts from, the scale reset, and the
-event keys locating gives. Runs on TensorFlow and JAX."""
+event keys locating gives; and the monitor's fallback moving every layer a
+batch overflows in one event. Runs on TensorFlow, JAX and PyTorch."""
+
+import math
 
 import keras
 import numpy as np
 import pytest
 
+import kerasmp
+from kerasmp.callbacks import NonFiniteMonitor
 from kerasmp.callbacks import nonfinite_fallback as fallback
 from kerasmp.callbacks.nonfinite_events import Rules
 from kerasmp.callbacks.nonfinite_events import SkipRun
 from kerasmp.callbacks.nonfinite_events import State
+from kerasmp.errors import NonFiniteWarning
 from kerasmp.optimizer import LossScaleOptimizer
+
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
 
 RULES = Rules(patience=3, scaled=True, dynamic=True, min_scale=1.0)
 STUCK = State(
@@ -246,3 +254,82 @@ def test_first_nonfinite_weight():
     bias = model.get_layer("proj").bias
     bias.assign(np.full(bias.shape, np.inf, "float32"))
     assert fallback.first_nonfinite_weight(model) == bias.path
+
+
+def _boost_shrink(jit=False):
+    """proj -> "boost" (x1e5: inf in float16) -> "shrink" (x1e-5: its
+    float16 input is inf once "boost" computes in float32) -> head."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, name="proj"),
+        keras.layers.Rescaling(1e5, name="boost"),
+        keras.layers.Rescaling(1e-5, name="shrink"),
+        keras.layers.Dense(1, name="head"),
+    ])
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0**8),
+        "mse", jit_compile=jit)
+    return model
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fallback_moves_every_layer_the_batch_overflows_in_one_event(
+        jit, mixed_policy):
+    """Two layers overflow in float16, one after the other: one fallback
+    event moves both (the batch is replayed after each move), where it took
+    one run of `patience` skipped steps per layer. Afterwards no step is
+    skipped, and the loss follows a float32 model's (same seed and data)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 4)).astype("float32")
+    y = (x[:, :1] * 0.5).astype("float32")
+    model = _boost_shrink(jit)
+    monitor = NonFiniteMonitor(action="fallback", patience=2)
+    with pytest.warns(NonFiniteWarning, match="boost, shrink now compute"):
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                            verbose=0, callbacks=[monitor])
+    fallbacks = [e for e in monitor.events if e.get("fallback_layers")]
+    assert [e["fallback_layers"] for e in fallbacks] == [["boost", "shrink"]]
+    assert "fallback_note" not in fallbacks[0]
+    assert monitor.fallbacks == ["boost", "shrink"]
+    assert monitor.events[-1] is fallbacks[0]  # nothing after it
+    assert model.optimizer.skipped_steps == 2  # the patience, once
+    assert [model.get_layer(n).compute_dtype
+            for n in ("proj", "boost", "shrink", "head")] == [
+        "float16", "float32", "float32", "float16"]
+    with kerasmp.policy_scope("float32"):
+        reference = _boost_shrink()
+    reference.fit(x[16:], y[16:], batch_size=8, epochs=1, shuffle=False,
+                  verbose=0)
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert all(math.isfinite(v) for v in history.history["loss"])
+    got, want = model.evaluate(x, y, verbose=0), reference.evaluate(
+        x, y, verbose=0)
+    assert got == pytest.approx(want, rel=0.05)
+
+
+def test_fall_back_all_says_why_a_batch_still_overflows(mixed_policy):
+    """exp(200+) overflows float32 too: "boost" moves, then it still outputs
+    inf in float32, which no fallback can fix: the note says so."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, name="proj"),
+        keras.layers.Activation("exponential", name="boost"),
+        keras.layers.Dense(1, name="head"),
+    ])
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0**8),
+        "mse")
+    x = np.full((8, 4), 200.0, "float32")
+    batch = (x, np.zeros((8, 1), "float32"), None)
+    report, fields = fallback.locate(model, batch, 1.0)
+    assert fields["layer"] == "boost"
+    result = fallback.fall_back_all(
+        model, _stuck_event("boost"), report, STUCK, RULES, batch, 1.0)
+    assert result.refusal is None
+    assert result.layers == ("boost",)
+    assert result.note == (
+        "'boost' still outputs inf/NaN on that batch: layer 'boost' already "
+        "computes in float32")
+    assert result.reset_to == 1024.0

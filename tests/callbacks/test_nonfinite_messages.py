@@ -13,6 +13,8 @@ from kerasmp.callbacks.nonfinite_events import log_failed_message
 from kerasmp.callbacks.nonfinite_events import message
 from kerasmp.callbacks.nonfinite_events import reset_failed_message
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 PREFIX = "kerasmp.NonFiniteMonitor: "
 
 

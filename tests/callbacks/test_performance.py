@@ -16,6 +16,8 @@ from _models import mlp
 
 from kerasmp.callbacks.performance import PerformanceMonitor
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 
 class WallClock(keras.callbacks.Callback):
     """Times each epoch's training steps, from outside the monitor.

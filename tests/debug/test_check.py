@@ -1,5 +1,6 @@
 """`kerasmp.check` and `kerasmp check`: each finding on a model built to have
-that hazard, and a clean model that reports nothing. Runs on TF and JAX."""
+that hazard, and a clean model that reports nothing. Runs on TensorFlow,
+JAX and PyTorch."""
 
 import json
 
@@ -9,6 +10,9 @@ import pytest
 
 import kerasmp
 from kerasmp.apps import cli
+from kerasmp.debug import find_nonfinite
+
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
 
 
 class Scaler(keras.layers.Layer):
@@ -31,17 +35,40 @@ class LogSumExp(keras.layers.Layer):
 
 
 class MaskBias(keras.layers.Layer):
-    """The T5 pattern: (1 - mask) * -1e9 in the compute dtype."""
+    """The T5 pattern: (1 - mask) * -1e9 in the compute dtype (the constant
+    cast to it: -inf in float16, and 0 x -inf is NaN on every backend;
+    PyTorch would multiply by a bare Python -1e9 in float32 arithmetic)."""
 
     def call(self, x):
         mask = keras.ops.cast(keras.ops.greater(x, -100.0), x.dtype)
-        return x + (1.0 - mask) * -1e9
+        return x + (1.0 - mask) * keras.ops.cast(-1e9, x.dtype)
 
 
 class RMSNorm(keras.layers.Layer):
     def call(self, x):
         return x * keras.ops.rsqrt(
             keras.ops.mean(keras.ops.square(x), -1, keepdims=True) + 1e-6)
+
+
+class Gate(keras.layers.Layer):
+    """Calls its sublayer "inner" inside `keras.ops.cond` (JAX traces both
+    branches, even in an eager pass: "inner" sees tracers there), then
+    multiplies by `factor` in its own code (1e5: inf in float16)."""
+
+    def __init__(self, factor=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+        self.inner = keras.layers.Dense(16, name="inner")
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+
+    def call(self, x):
+        return keras.ops.cond(
+            keras.ops.all(keras.ops.isfinite(x)),
+            lambda: self.inner(x) * self.factor,
+            lambda: x,
+        )
 
 
 def _functional(*layers, shape=(16,)):
@@ -222,6 +249,43 @@ def test_tensor_core_sizes_are_gpu_advice_only():
         kerasmp.check(model, gpu="yes")
 
 
+def _attention(heads, key_dim, hidden):
+    with kerasmp.policy_scope("mixed_float16"):
+        x = keras.Input((8, hidden))
+        y = keras.layers.MultiHeadAttention(heads, key_dim, name="mha")(x, x)
+        return keras.Model(
+            x, keras.layers.Activation("linear", dtype="float32")(y))
+
+
+def test_tensor_core_sizes_of_einsum_dense_are_its_matmul_sizes():
+    """MultiHeadAttention(num_heads=2, key_dim=16) on 32 features: every
+    projection is a 32 x 32 matmul (the kernel's axis of 2 heads is part of
+    a size, not one): nothing to pad. Each finding prints once."""
+    assert kerasmp.check(_attention(2, 16, 32), gpu=True).clean
+    report = kerasmp.check(_attention(2, 5, 12), gpu=True)
+    sizes = {(f.path, f.message.split(" is ")[0]): f.fix for f in report}
+    # query: "abc,cde->abde", kernel (12, 2, 5): contracts c, makes d x e.
+    assert sizes == {
+        **{(f"mha/{p}", "EinsumDense matmul input size 12"):
+           "pad 12 to 16 (1.33x this size's work; usually still faster)"
+           for p in ("query", "key", "value")},
+        **{(f"mha/{p}", "EinsumDense matmul output size 10 (2 x 5)"):
+           "pad 5 to 8: 2 x 8 = 16 (1.60x this size's work; usually still "
+           "faster)" for p in ("query", "key", "value")},
+        ("mha/attention_output", "EinsumDense matmul input size 10 (2 x 5)"):
+            "pad 5 to 8: 2 x 8 = 16 (1.60x this size's work; usually still "
+            "faster)",
+        ("mha/attention_output", "EinsumDense matmul output size 12"):
+            "pad 12 to 16 (1.33x this size's work; usually still faster)",
+    }
+    text = str(report)
+    lines = text.splitlines()
+    for f in report:
+        assert sum(f.path in line and f.message in line
+                   for line in lines) == 1, (f.path, f.message)
+    assert text.count(report.findings[0].why) == 1
+
+
 def test_mask_constant_that_becomes_inf_in_float16():
     with kerasmp.policy_scope("mixed_float16"):
         model = _functional(keras.layers.Dense(16, name="proj"),
@@ -253,8 +317,13 @@ def test_t5_hazard_found_statically_and_by_the_traced_run():
     hazards = _finding(report, "known_float16_hazard")
     assert all(f.path.endswith("attention") for f in hazards)
     assert "-1e9" in hazards[0].why
-    nonfinite = _finding(report, "nonfinite_in_float16")
-    assert nonfinite[0].path.endswith("self_attention")
+    if keras.backend.backend() != "torch":
+        # T5 multiplies its float16 mask by the Python float -1e9, which
+        # TensorFlow and JAX cast to float16 (-inf: 0 x -inf is NaN on the
+        # all-ones sample mask); PyTorch computes it in float32 (0), so the
+        # sample batch stays finite there and only the static finding holds.
+        nonfinite = _finding(report, "nonfinite_in_float16")
+        assert nonfinite[0].path.endswith("self_attention")
     assert report.has_errors
     with kerasmp.policy_scope("mixed_float16"):
         fixed = t5()
@@ -262,6 +331,67 @@ def test_t5_hazard_found_statically_and_by_the_traced_run():
     assert not report.has_errors, str(report)
     # What remains is honest: the attention softmax of float16 scores.
     assert report.codes() <= {"half_precision_op"}
+
+
+def _gated(factor):
+    with kerasmp.policy_scope("mixed_float16"):
+        return _functional(Gate(factor, name="gate"),
+                           keras.layers.Activation("linear", dtype="float32"))
+
+
+def test_layers_inside_keras_ops_cond_are_summarised_not_read():
+    """On JAX "gate/inner" returns tracers (TracerArrayConversionError
+    before): check reads only concrete values, names what it could not
+    read, and reports no error for a clean model."""
+    report = kerasmp.check(_gated(1.0))
+    assert report.clean, str(report)
+    traced = [n for n in report.notes if "traced control flow" in n]
+    if keras.backend.backend() == "jax":
+        assert len(traced) == 1 and "(gate/inner)" in traced[0], report.notes
+    else:  # TensorFlow and PyTorch run the taken branch eagerly
+        assert traced == []
+    found = find_nonfinite(_gated(1.0), np.ones((2, 16), "float32"))
+    assert found.layer is None
+    assert found.traced == (
+        ["gate/inner"] if keras.backend.backend() == "jax" else [])
+    rows = [r.path for r in found.rows]
+    assert "gate" in rows and (
+        ("gate/inner" in rows) == (keras.backend.backend() != "jax"))
+
+
+def test_an_overflow_inside_keras_ops_cond_is_named_at_its_layer():
+    """x1e5 inside the branch: inf in float16. The first concrete
+    non-finite output is the gate's, on every backend."""
+    found = _finding(kerasmp.check(_gated(1e5)), "nonfinite_in_float16")
+    assert [(f.path, f.severity) for f in found] == [("gate", "error")]
+    assert find_nonfinite(_gated(1e5), np.ones((2, 16), "float32")).layer == (
+        "gate")
+
+
+def test_a_model_that_fails_on_the_sample_batch_is_a_note_not_a_crash():
+    """SAM's prompt encoder refuses masks shaped (2, 8, 8, 8, 1), check's
+    sample for (None, None, None, None, 1): the static checks still run."""
+
+    class NeedsFour(keras.layers.Layer):
+        def call(self, x):
+            if x.shape[1] not in (None, 4):  # None: the symbolic call
+                raise ValueError(f"expected 4 masks, got {x.shape[1]}")
+            return x
+
+        def compute_output_shape(self, input_shape):
+            return input_shape
+
+    with kerasmp.policy_scope("mixed_float16"):
+        inputs = keras.Input((None, 3))
+        outputs = keras.layers.Dense(2, dtype="float32")(NeedsFour()(inputs))
+        model = keras.Model(inputs, outputs)
+    report = kerasmp.check(model)
+    assert report.clean
+    assert len(report.notes) == 1
+    assert "expected 4 masks, got 8" in report.notes[0]
+    assert "--sample" in report.notes[0]
+    assert "by the checks that ran (see the notes)" in str(report)
+    assert kerasmp.check(model, x=np.ones((2, 4, 3), "float32")).notes == []
 
 
 def test_check_refuses_what_is_not_a_built_model():

@@ -18,6 +18,8 @@ from keras import ops
 from kerasmp.debug import NonFiniteReport
 from kerasmp.debug import find_nonfinite
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 FLOAT16_MAX = 65504.0
 
 

@@ -24,6 +24,8 @@ from kerasmp.debug import gradient_report
 from kerasmp.debug import plot_gradient_report
 from kerasmp.optimizer import LossScaleOptimizer
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 
 def _scaled_mse(factor):
     def loss(y, y_pred):
@@ -156,6 +158,13 @@ def _backend_grads(model, x, y, loss_fn, scale):
             value = keras.ops.mean(loss_fn(y, y_pred))
             scaled = keras.ops.cast(value, "float32") * scale
         grads = tape.gradient(scaled, variables)
+    elif keras.backend.backend() == "torch":
+        import torch
+
+        y_pred = keras.ops.cast(model(x, training=True), "float32")
+        value = keras.ops.mean(loss_fn(y, y_pred))
+        scaled = keras.ops.cast(value, "float32") * scale
+        grads = torch.autograd.grad(scaled, [v.value for v in variables])
     else:
         import jax
 

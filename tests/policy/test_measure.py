@@ -12,6 +12,8 @@ from keras import ops
 import kerasmp
 from kerasmp.policy.measure import measure
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 
 @keras.saving.register_keras_serializable(package="kerasmp_tests")
 class HalfRefusing(keras.layers.Layer):
@@ -122,6 +124,26 @@ def test_a_dry_run_says_what_compile_would_move_and_changes_nothing(
     moved = measure(model, kerasmp.global_policy(), dry_run=True)
     assert moved == [("refusing", "fails in float16")]
     assert model.get_layer("refusing").compute_dtype == "float16"
+
+
+def test_check_reports_what_compile_would_move_before_compile(
+        mixed_policy):
+    """`kerasmp.check` before compile names the layer that fails in float16
+    and the MoE router (the same dry run; nothing moves), and after compile
+    (they now compute in float32) no longer reports them."""
+    model = _model(HalfRefusing(name="refusing"))
+    report = kerasmp.check(model)
+    found = {(f.code, f.path) for f in report}
+    assert ("fails_in_half", "refusing") in found
+    assert model.get_layer("refusing").compute_dtype == "float16"
+    model.compile("adam", "mse")
+    assert "fails_in_half" not in {f.code for f in kerasmp.check(model)}
+
+    routed = _model(TinyMoE(name="moe"))
+    codes = {(f.code, f.path) for f in kerasmp.check(routed)}
+    assert ("moe_router", "moe") in codes
+    assert ("moe_router", "moe/gate") in codes
+    assert routed.get_layer("moe").compute_dtype == "float16"
 
 
 @pytest.mark.tensorflow

@@ -17,6 +17,8 @@ from kerasmp.policy import KNOWN_FLOAT16_HAZARDS
 from kerasmp.policy import NORMALIZATION_BY_NAME
 from kerasmp.policy import norms as _norm_rule
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 keras_hub = pytest.importorskip("keras_hub")
 
 HUB = "keras_hub.src.models."

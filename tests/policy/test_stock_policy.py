@@ -11,6 +11,8 @@ from kerasmp.errors import StockOptimizerWarning
 from kerasmp.errors import StockPolicyWarning
 from kerasmp.policy import stock as _stock_policy
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def _not_warned_yet(monkeypatch):

@@ -7,6 +7,11 @@ is skipped. BatchNormalization's moving statistics must then hold, bit for
 bit, the values they had before that step (stock Keras lets the forward pass
 write NaN into them, whatever the optimizer decides), and later steps must
 update them as usual.
+
+The tests marked `torch` run on PyTorch too; the others check how the
+TensorFlow and JAX steps pick the variables to write back at trace time
+(PyTorch's eager step copies every non-trainable variable instead), or need
+`tf.distribute`.
 """
 
 import json
@@ -76,6 +81,7 @@ def _fit(model, x, y):
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("jit", [False, True])
 def test_skipped_step_keeps_batch_norm_statistics_without_monitor(
         jit, mixed_policy):
@@ -123,6 +129,7 @@ def _stock_cnn(jit):
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.torch
 def test_stock_optimizer_keeps_stock_behaviour_with_a_monitor():
     """Keras's own LossScaleOptimizer is stock Keras: kerasmp's step undoes
     nothing for it, and a monitor changes nothing either (the statistics
@@ -131,8 +138,9 @@ def test_stock_optimizer_keeps_stock_behaviour_with_a_monitor():
 
     x, y, bad = _batches()
     results = []
+    jit = keras.backend.backend() != "torch"  # torch.compile: see conftest
     for callbacks in ([], [NonFiniteMonitor(locate=False)]):
-        model = _stock_cnn(True)
+        model = _stock_cnn(jit)
         assert not _train_step.scaled(model)
         _fit(model, x, y)
         model.fit(bad, y, batch_size=BATCH, shuffle=False, verbose=0,
@@ -142,6 +150,7 @@ def test_stock_optimizer_keeps_stock_behaviour_with_a_monitor():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.torch
 def test_applied_steps_update_statistics_as_without_the_guard(mixed_policy):
     """The guard changes nothing on applied steps: statistics equal those of
     the stock LossScaleOptimizer under Keras's own mixed policy (which also
@@ -157,6 +166,7 @@ def test_applied_steps_update_statistics_as_without_the_guard(mixed_policy):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.torch
 def test_recompiling_with_another_optimizer_removes_the_undo(mixed_policy):
     model = _cnn(False)
     assert _train_step.scaled(model)
@@ -167,6 +177,7 @@ def test_recompiling_with_another_optimizer_removes_the_undo(mixed_policy):
     assert not _train_step.scaled(model)
 
 
+@pytest.mark.torch
 def test_no_guard_work_when_nothing_is_assigned(mixed_policy):
     """A model without forward-assigned variables trains exactly as before
     (the guard adds nothing; weights equal the stock optimizer's)."""
