@@ -1,4 +1,5 @@
-"""Half-precision inference export: `.keras`, SavedModel, TFLite, ONNX.
+"""Half-precision inference export: `.keras`, SavedModel, TFLite, ONNX,
+`torch.export`.
 
 After mixed-precision training a model's weights are float32 masters.
 `export(model, path, format=...)` writes a half-precision copy for serving
@@ -24,7 +25,6 @@ import dataclasses
 import importlib
 import math
 import os
-import warnings
 
 from kerasmp._utils.table import render_table
 from kerasmp.export.specs import EXPORT_DTYPES
@@ -44,6 +44,7 @@ _LAZY = {
     "DTYPES": "kerasmp.export.half",
     "FLOAT16_MAX": "kerasmp._utils.arrays",
     "NeedsFlexOps": "kerasmp.export.tflite",
+    "NotExpressible": "kerasmp.export.keras_config",
 }
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "FORMATS",
     "IO_DTYPES",
     "NeedsFlexOps",
+    "NotExpressible",
     "ParityError",
     "check_target",
     "export",
@@ -87,7 +89,8 @@ class ExportReport:
 
     Attributes:
         path: Where the artifact was written.
-        format: `"keras"`, `"savedmodel"`, `"tflite"` or `"onnx"`.
+        format: `"keras"`, `"savedmodel"`, `"tflite"`, `"onnx"` or
+            `"torch"`.
         dtype: The half-precision dtype (or `"float32"`).
         io_dtype: The dtype of the artifact's float inputs and outputs.
         bytes: Size of the artifact (file, or folder total).
@@ -106,6 +109,13 @@ class ExportReport:
             last axis (outputs with more than one unit), or None.
         kept_float32: `{layer path: reason}` of layers computing in float32
             in the artifact (empty for TFLite, whose graph is all float32).
+        left_at_default: `.keras` only: `{layer path: {"class",
+            "compute_dtype", "weights_dtype", "wanted", "extra_bytes",
+            "why"}}` of the layers that stock dtype policies cannot reach,
+            left at the loader's default (the dtypes they get, the one
+            kerasmp decided, the bytes their weights cost so (negative:
+            saved) and why); the file is written only if it passes parity
+            so.
         input_dtypes: dtypes the artifact takes, read back from it.
         output_dtypes: dtypes the artifact returns, read back from it.
         num_samples: How many inputs the parity was measured on.
@@ -136,6 +146,12 @@ class ExportReport:
     output_dtypes: tuple
     num_samples: int = 0
     inputs: str = "sample"
+    left_at_default: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def left_at_default_bytes(self):
+        """What the layers left at the loader's default cost in bytes."""
+        return sum(v["extra_bytes"] for v in self.left_at_default.values())
 
     @property
     def size_ratio(self):
@@ -161,6 +177,7 @@ class ExportReport:
     def to_dict(self):
         d = dataclasses.asdict(self)
         d["size_ratio"] = self.size_ratio
+        d["left_at_default_bytes"] = self.left_at_default_bytes
         for key in ("rel_diffs", "input_dtypes", "output_dtypes"):
             d[key] = list(d[key])
         for key in ("max_abs_diff", "rel_diff"):
@@ -177,15 +194,16 @@ class ExportReport:
             f"{p} ({r})" for p, r in self.kept_float32.items()) or "none"
         rows = [
             ("path", self.path),
-            ("format", f"{self.format} ({self.dtype}, {self.io_dtype} "
-                       "inputs/outputs)"),
+            ("format", f"{self.format} ({self.dtype})"),
             ("weights", f"{_human(self.weight_bytes)} vs float32 "
                         f"{_human(self.master_weight_bytes)} (ratio "
                         f"{self.weight_ratio:.3f})"),
             ("rest of artifact",
              f"{_human(max(self.bytes - self.weight_bytes, 0))} (total "
              f"{_human(self.bytes)}; float32 export "
-             f"{_human(self.float32_bytes)})"),
+             f"{_human(self.float32_bytes)}"
+             + ("; config and compact HDF5 groups)" if self.format == "keras"
+                else ")")),
             ("parity", f"max |diff| / output range {self.rel_diff:.3g} "
                        f"(max |diff| {self.max_abs_diff:.3g}) on "
                        f"{self.num_samples} inputs ({self.inputs}) vs "
@@ -195,10 +213,33 @@ class ExportReport:
             ("outputs", ", ".join(self.output_dtypes)),
             ("kept float32", kept),
         ]
+        if self.left_at_default:
+            rows.append(("left at default", _left_row(self.left_at_default,
+                                                      self.left_at_default_bytes)))
         return "kerasmp export report\n" + render_table(None, rows,
                                                           indent="  ")
 
     __repr__ = __str__
+
+
+def _left_row(left, extra, shown=3):
+    """The report's line for `left_at_default`: how many layers, the bytes,
+    the first `shown` of them."""
+    items = [f"{p} ({v['class']}: {_differs(v)})" for p, v in left.items()]
+    more = (f", and {len(items) - shown} more (report.left_at_default)"
+            if len(items) > shown else "")
+    sign = "+" if extra >= 0 else "-"
+    return (f"{len(items)} layer(s) stock policies cannot reach, "
+            f"{sign}{_human(abs(extra))}: " + ", ".join(items[:shown]) + more)
+
+
+def _differs(entry):
+    """`"computes in float16, not float32"` or `"stores float32 weights,
+    not float16"`: what a layer left at the loader's default does."""
+    wanted = entry["wanted"]
+    if entry["compute_dtype"] != wanted:
+        return f"computes in {entry['compute_dtype']}, not {wanted}"
+    return f"stores {entry['weights_dtype']} weights, not {wanted}"
 
 
 def _human(n):
@@ -250,15 +291,18 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
 
     `kerasmp.export.specs.check_target` for this process's Keras backend
     (the `kerasmp` command calls the same function before loading a model):
-    `format`, `dtype`, `io_dtype`, every package the format needs (naming
-    the `pip install kerasmp[...]` extra), the backend, the path's suffix,
+    `format`, `dtype`, `io_dtype`, the backend (a SavedModel needs
+    TensorFlow or JAX, a `.pt2` PyTorch: one sentence naming the formats
+    this backend writes), every package the format needs (naming the `pip
+    install kerasmp[...]` extra), the path's suffix,
     paths an export must never replace (`.`, the home folder, `source`),
     an existing `path` without `overwrite` or of the wrong kind, and a
     missing or unwritable parent folder.
 
     Args:
         path: The output path (`str` or `os.PathLike`).
-        format: `"savedmodel"` (default), `"keras"`, `"tflite"` or `"onnx"`.
+        format: `"savedmodel"` (default), `"keras"`, `"tflite"`, `"onnx"`
+            or `"torch"`.
         overwrite: Whether an existing `path` may be replaced.
         dtype: Optional; `"float16"`, `"bfloat16"` or `"float32"`.
         io_dtype: Optional; `"float32"` or `"float16"`.
@@ -290,7 +334,7 @@ def _check_gate(value, argname):
 
 def export(model, path, format="savedmodel", dtype="float16", sample=None,
            keep_float32=None, overwrite=False, max_rel_diff=None,
-           max_diff=None, io_dtype="float32", gate=False):
+           max_diff=None, io_dtype="float32", gate=False, verbose=False):
     """Exports `model` in half precision and reports size and parity.
 
     The artifact is written to a staging folder, read back with the
@@ -299,27 +343,36 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     float32 for the size comparison.
 
     - `"keras"`: a plain Keras `.keras` file: the model's config with stock
-      per-layer dtype policies (`DTypePolicyMap`: the half-precision dtype,
-      `"float32"` for the kept layers) and half-precision variables.
-      `keras.saving.load_model` loads it on any backend, without kerasmp.
-      Needs a config that rebuilds the model; otherwise (or where stock
-      policies cannot keep a layer in float32) export raises a ValueError
-      naming the layer, before writing anything.
-    - `"savedmodel"`: a TensorFlow SavedModel, `serving_default` signature,
-      each variable stored once; `tf.saved_model.load(path)` serves it
+      dtype policies (a `DTypePolicyMap` where a layer's sublayers differ:
+      the half-precision dtype, `"float32"` for the kept layers) and
+      half-precision variables. `keras.saving.load_model` loads it on any
+      backend, without kerasmp. Needs a config that rebuilds the model,
+      else export raises `NotExpressible` (a ValueError) naming the layer,
+      before writing anything. A sublayer that stock policies cannot reach
+      (created without its parent's dtype policy) is left at the loader's
+      default: the file is written only if it passes parity so, and the
+      report says which layers and what they cost (`left_at_default`).
+      With `dtype="float32"`, a plain float32 Keras file.
+    - `"savedmodel"` (TensorFlow or JAX): a TensorFlow SavedModel,
+      `serving_default` signature, each variable stored once;
+      `tf.saved_model.load(path)` serves it without Keras or kerasmp.
+    - `"tflite"` (extra `kerasmp[tflite]`; from PyTorch, the `litert-torch`
+      package): a float32 graph with float16 weights (TFLite cannot run a
+      float16 graph); run it with `ai_edge_litert`.
+    - `"onnx"` (extra `kerasmp[onnx]`; TensorFlow or PyTorch): the
+      half-precision graph, float16 weights (tf2onnx, exact GELU's `Erfc`
+      as `1 - Erf`; on PyTorch `torch.onnx.export`).
+    - `"torch"` (PyTorch): a `torch.export` program (`.pt2`) of the
+      half-precision model; `torch.export.load(path).module()` runs it
       without Keras or kerasmp.
-    - `"tflite"` (extra `kerasmp[tflite]`): a float32 graph with float16
-      weights (TFLite cannot run a float16 graph); run it with
-      `ai_edge_litert`.
-    - `"onnx"` (extra `kerasmp[onnx]`): the half-precision graph converted
-      by tf2onnx, float16 weights (exact GELU's `Erfc` as `1 - Erf`).
 
     Args:
         model: A built `keras.Model` (see `to_float16`).
         path: Where to write: a `.keras` file, a SavedModel folder, a
             `.tflite` or a `.onnx` file (see `check_target`, checked before
             any model work).
-        format: `"savedmodel"` (default), `"keras"`, `"tflite"` or `"onnx"`.
+        format: `"savedmodel"` (default), `"keras"`, `"tflite"`, `"onnx"`
+            or `"torch"`.
         dtype: `"float16"` (default), `"bfloat16"` (not for TFLite/ONNX) or
             `"float32"` (a plain export, for comparison).
         sample: Inputs for the parity check: an array, a list of arrays (one
@@ -329,7 +382,8 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
             (`kerasmp.export.inputs.draw_inputs`: token ids within the
             embedding's vocabulary, a front
             `Rescaling`/`Normalization` layer's range, else uniform [0, 1)).
-        keep_float32: As for `to_float16`.
+        keep_float32: As for `to_float16`; a name pattern that matches no
+            layer raises a ValueError listing the layers, before any work.
         overwrite: Whether to replace an existing `path` (atomically).
         max_rel_diff: The gate on `rel_diff` (max |diff| / output range);
             None: the dtype's `DEFAULT_MAX_REL_DIFF` when `gate=True`.
@@ -339,6 +393,10 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
             `.keras` takes what the model takes).
         gate: Whether to apply the default `max_rel_diff` gate. Any
             `max_rel_diff` or `max_diff` given turns the gate on.
+        verbose: Whether to let the converters and runtimes print what
+            they print (TensorFlow's and onnxruntime's C++ logs, XNNPACK,
+            converter warnings). Defaults to False: quiet, and kerasmp's
+            own warnings come once each, at the end, at this call.
 
     Returns:
         An `ExportReport`.
@@ -349,7 +407,8 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
             or another export is writing `path` right now.
         ImportError: a package the format needs is missing (checked first).
         ValueError, TypeError: bad arguments, naming them; a model that
-            cannot be written in `format`, naming the layer.
+            cannot be written in `format`, naming the layer
+            (`kerasmp.export.keras_file.NotExpressible` for `.keras`).
 
     Example:
 
@@ -358,12 +417,18 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     >>> report.passed()
     True
     """
+    import keras
+
     from kerasmp.export.half import check_model
     from kerasmp.export.half import convert
+    from kerasmp.export.half import keep_rules
     from kerasmp.export.inputs import parity_inputs
     from kerasmp.export.inputs import predict
     from kerasmp.export.parity import measure
     from kerasmp.export.publish import Staging
+    from kerasmp.export.quiet import collected
+    from kerasmp.export.quiet import converters
+    from kerasmp.export.quiet import discarded
     from kerasmp.export.registry import REGISTRY
 
     path = check_target(path, format, overwrite, dtype, io_dtype)
@@ -373,52 +438,104 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
             "file takes what the model takes. Allowed values: 'float32'.")
     _check_gate(max_rel_diff, "max_rel_diff")
     _check_gate(max_diff, "max_diff")
+    if not isinstance(verbose, bool):
+        raise TypeError(f"`verbose` must be True or False. Received: "
+                        f"{verbose!r}")
     gate = gate or max_rel_diff is not None or max_diff is not None
     if gate and max_rel_diff is None:
         max_rel_diff = DEFAULT_MAX_REL_DIFF[dtype]
     check_model(model)
+    keep_rules(model, keep_float32)  # a pattern that matches nothing raises
     fmt = REGISTRY[format]
+    source = fmt.source_on(keras.backend.backend())
 
-    specs, arrays, origin = parity_inputs(model, sample, DEFAULT_NUM_SAMPLES)
-    model32, _ = convert(model, "float32")
-    reference = predict(model32, arrays)
-    artifact, kept = _artifact(fmt, model, model32, dtype, keep_float32,
-                               arrays)
-    with Staging(path) as stage:
-        staged = os.path.join(stage.dir, stage.name)
-        baseline = os.path.join(stage.dir, "float32-" + stage.name)
-        fmt.write(artifact, staged, specs, dtype, io_dtype, example=arrays)
-        with warnings.catch_warnings():  # said once, for the artifact
-            warnings.simplefilter("ignore")
-            fmt.write(model32, baseline, specs, "float32", io_dtype,
-                      example=arrays)
-        outs, ins, outd = fmt.run(staged, arrays, specs)
-        report = ExportReport(
-            path=path, format=format, dtype=dtype, io_dtype=io_dtype,
-            **measure(reference, outs, model, staged, baseline, fmt.weights),
-            kept_float32=kept, input_dtypes=tuple(ins),
-            output_dtypes=tuple(outd),
-            num_samples=int(arrays[0].shape[0]), inputs=origin,
-        )
-        if gate and not report.passed(max_rel_diff, max_diff):
-            raise ParityError(report, max_rel_diff, max_diff)
-        stage.publish(staged, overwrite)
+    with collected():
+        specs, arrays, origin = parity_inputs(model, sample,
+                                              DEFAULT_NUM_SAMPLES)
+        model32, _ = convert(model, "float32")
+        reference = predict(model32, arrays)
+        artifact, baseline_model, kept, left = _artifact(
+            source, model, model32, dtype, keep_float32, arrays)
+        with Staging(path) as stage:
+            staged = os.path.join(stage.dir, stage.name)
+            baseline = os.path.join(stage.dir, "float32-" + stage.name)
+            with converters(verbose):
+                fmt.write(artifact, staged, specs, dtype, io_dtype,
+                          example=arrays)
+            with discarded(), converters(verbose):  # said for the artifact
+                fmt.write(baseline_model, baseline, specs, "float32",
+                          io_dtype, example=arrays)
+            with converters(verbose):
+                outs, ins, outd = fmt.run(staged, arrays, specs)
+            report = ExportReport(
+                path=path, format=format, dtype=dtype, io_dtype=io_dtype,
+                **measure(reference, outs, model, staged, baseline,
+                          fmt.weights),
+                kept_float32=kept, input_dtypes=tuple(ins),
+                output_dtypes=tuple(outd),
+                num_samples=int(arrays[0].shape[0]), inputs=origin,
+                left_at_default=left,
+            )
+            if left:
+                _check_left(report, model, max_rel_diff, max_diff)
+            if gate and not report.passed(max_rel_diff, max_diff):
+                raise ParityError(report, max_rel_diff, max_diff)
+            stage.publish(staged, overwrite)
     return report
 
 
-def _artifact(fmt, model, model32, dtype, keep_float32, example):
-    """What the format's writer gets (`fmt.source`: a plain Keras copy, the
-    `HalfModel` or the float32 copy), and `{path: reason}` kept float32."""
+def _check_left(report, model, max_rel_diff, max_diff):
+    """A `.keras` with layers left at the loader's default is written only
+    if it passes parity (the default gate, or the caller's); says which
+    layers and what they cost, or refuses in one sentence."""
+    import keras
+
+    from kerasmp.export.keras_config import NotExpressible
+    from kerasmp.export.quiet import say
+    from kerasmp.export.specs import alternatives
+
+    names = ", ".join(f"{p!r}" for p in list(report.left_at_default)[:3])
+    if len(report.left_at_default) > 3:
+        names += f" and {len(report.left_at_default) - 3} more"
+    gate = DEFAULT_MAX_REL_DIFF[report.dtype] if max_rel_diff is None else (
+        max_rel_diff)
+    if not report.passed(gate, max_diff):
+        raise NotExpressible(
+            f"format='keras' cannot write {model.name!r} as a plain Keras "
+            f"file: stock dtype policies cannot reach {names}, and left at "
+            "the loader's default they fail parity (max |diff| / output "
+            f"range {report.rel_diff:.3g} > {gate:g}); export to "
+            f"{alternatives('keras', keras.backend.backend())} instead.")
+    first = next(iter(report.left_at_default.values()))
+    extra = report.left_at_default_bytes
+    say(f"kerasmp.export: stock dtype policies cannot reach "
+        f"{len(report.left_at_default)} layer(s) of {model.name!r} in its "
+        f".keras file ({names}; the first {_differs(first)}), which the "
+        "file leaves at the loader's default, passing parity so, at "
+        f"{'+' if extra >= 0 else '-'}{_human(abs(extra))}: see "
+        "`report.left_at_default`.")
+
+
+def _artifact(source, model, model32, dtype, keep_float32, example):
+    """What the format's writer gets (`source`: `"plain"`, a stock Keras
+    copy; `"half"`, the `HalfModel`; `"float32"`, the float32 copy), the
+    float32 model its baseline writer gets, `{path: reason}` of the layers
+    kept in float32 and the `.keras` layers left at the loader's default."""
     from kerasmp.export.half import check_rules
     from kerasmp.export.half import convert
     from kerasmp.export.keras_file import build
 
+    if source == "plain":
+        plain32 = build(model, "float32", example=example).model
+        if dtype == "float32":
+            return plain32, plain32, {}, {}
+        plain = build(model, dtype, keep_float32, example)
+        return plain.model, plain32, plain.kept, plain.left_at_default
     if dtype == "float32":
-        return model32, {}
-    if fmt.source == "plain":
-        return build(model, dtype, keep_float32, example)
-    if fmt.source == "float32":
+        return model32, model32, {}, {}
+    if source == "float32":
         # The writer stores the weights in `dtype` itself.
         check_rules(model, dtype, keep_float32)
-        return model32, {}
-    return convert(model, dtype, keep_float32)
+        return model32, model32, {}, {}
+    half, kept = convert(model, dtype, keep_float32)
+    return half, model32, kept, {}

@@ -26,7 +26,6 @@ loaded (the same code builds them in the same order).
 
 import functools
 import re
-import warnings
 
 import keras
 import numpy as np
@@ -36,6 +35,7 @@ from kerasmp._utils.arrays import FLOAT16_MAX
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
+from kerasmp.export.quiet import say
 from kerasmp.policy import policy as _policy
 
 DTYPES = ("float16", "bfloat16")
@@ -95,9 +95,46 @@ def keep_rules(model, keep_float32):
             "subclasses and/or regular expressions matched against layer "
             f"names. Received: {keep_float32!r}"
         ) from None
-    return tuple(
+    rules = tuple(
         _policy.parse_rule(entry, argname="keep_float32") for entry in entries
     )
+    _check_patterns_match(model, rules)
+    return rules
+
+
+_LISTED_LAYERS = 12
+"""How many of a model's layers the no-match error lists."""
+
+
+def _check_patterns_match(model, rules):
+    """Raises a ValueError for a name pattern of `rules` that matches no
+    layer of `model`, listing its layers (names and classes)."""
+    layers = [layer for _, layer in walk(model)
+              if not isinstance(layer, keras.layers.InputLayer)]
+    for rule in rules:
+        if not isinstance(rule, re.Pattern):
+            continue
+        matcher = _policy.Policy("mixed_float16", float32_layers=(rule,))
+        if any(matcher.float32_rule(layer) for layer in layers):
+            continue
+        listed = ", ".join(f"{l.name!r} ({type(l).__name__})"
+                           for l in layers[:_LISTED_LAYERS])
+        if len(layers) > _LISTED_LAYERS:
+            listed += f", and {len(layers) - _LISTED_LAYERS} more"
+        classes = {type(l).__name__: type(l) for l in layers}
+        hint = ""
+        if rule.pattern in classes:
+            cls = classes[rule.pattern]
+            name = (f"keras.layers.{rule.pattern}"
+                    if getattr(keras.layers, rule.pattern, None) is cls
+                    else "itself")
+            hint = (f"; to keep every {rule.pattern} layer, pass the class "
+                    f"{name}")
+        raise ValueError(
+            f"Invalid `keep_float32`: the pattern {rule.pattern!r} matches "
+            f"no layer of {model.name!r} (a pattern must match a whole "
+            f"layer name, case included; its layers: {listed}){hint}."
+        )
 
 
 # --------------------------------------------------------------------------
@@ -149,14 +186,12 @@ def decide(model, dtype, rules):
             bad = _out_of_range(layer)
             if bad is not None:
                 name, peak = bad
-                warnings.warn(
+                say(
                     f"kerasmp.export: layer {path!r} "
                     f"({type(layer).__name__}) has weight {name!r} with "
                     f"|value| up to {peak:.4g}, beyond the float16 maximum "
                     f"{FLOAT16_MAX:g}; keeping this layer in float32 (in "
-                    "float16 the value would be inf).",
-                    stacklevel=3,
-                )
+                    "float16 the value would be inf).")
                 reason = reason or f"weight {name!r} |x|={peak:.3g} > 65504"
                 out_of_range.add(id(layer))
         if reason is None and not is_container(layer):

@@ -1,15 +1,17 @@
 """The ONNX format: the half-precision serving function converted by
 tf2onnx (exact GELU's `Erfc` rewritten as `1 - Erf`, weights that are only
-read in float16 stored in float16), its reader (onnxruntime) and its weight
-counter.
+read in float16 stored in float16), or on the PyTorch backend by
+`torch.onnx.export` (its dynamo exporter, from the `torch.export` program
+of `pt2.exported`: a free batch, where stock Keras's TorchScript route
+fails on a free batch); its reader (onnxruntime) and its weight counter.
 """
 
-import warnings
-
+import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
 from kerasmp.export.inputs import batched
+from kerasmp.export.pt2 import exported
 from kerasmp.export.savedmodel import serving_module
 
 
@@ -115,7 +117,8 @@ def _half_initializers(proto):
 
 
 def write_onnx(model, path, specs, dtype, io_dtype, example=None):
-    """Converts `model`'s serving function with tf2onnx (opset 17).
+    """Converts `model`'s serving function to ONNX (opset 17 with tf2onnx,
+    18 with torch.onnx on the PyTorch backend).
 
     `model` is the half-precision `HalfModel` (or the float32 one): tf2onnx
     converts its float16 graph as traced, float16 weights included, with
@@ -124,18 +127,84 @@ def write_onnx(model, path, specs, dtype, io_dtype, example=None):
     onnxconverter-common left type mismatches that onnxruntime refuses in
     keras-hub backbones: integer ids cast to float, masked softmax.)
     """
+    if keras.backend.backend() == "torch":
+        _write_onnx_torch(model, path, specs, io_dtype, example)
+        return
     import tf2onnx
 
     _, serve, signature = serving_module(model, specs, io_dtype)
     _ki.patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        proto, _ = tf2onnx.convert.from_function(
-            serve, input_signature=signature, opset=17
-        )
+    proto, _ = tf2onnx.convert.from_function(
+        serve, input_signature=signature, opset=17
+    )
     proto = _half_initializers(_erfc_to_erf(proto))
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
+
+
+def _write_onnx_torch(model, path, specs, io_dtype, example):
+    """`torch.onnx.export` (dynamo) of the program `pt2.exported` captures,
+    input names from `specs`, the weights stored in the graph."""
+    import torch
+
+    names = [name for name, _, _ in specs]
+
+    def convert(module, args, shapes):
+        return torch.onnx.export(
+            module, args, dynamo=True, dynamic_shapes=shapes,
+            input_names=names, opset_version=18, verbose=False,
+            external_data=False)
+
+    program = exported(model, specs, io_dtype, example, convert=convert)
+    program.optimize()
+    program.save(path, external_data=False)
+    import onnx
+
+    proto = _half_constants(_half_initializers(onnx.load(path)))
+    for node in proto.graph.node:  # the exporter's stack traces
+        node.doc_string = ""
+        del node.metadata_props[:]
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+
+
+def _half_constants(proto):
+    """Stores as float16, read through a `Cast` to float32, the float32
+    initializers whose values are all float16 values.
+
+    Keras's PyTorch backend multiplies float16 matrices in float32 on a CPU
+    (`ops.matmul` casts both sides), and the exporter folds the cast of a
+    float16 kernel into a float32 constant: the file would hold float32
+    copies of float16 weights. The values are float16 exactly, so storing
+    them so and casting at run time changes no output.
+    """
+    from onnx import TensorProto
+    from onnx import helper
+    from onnx import numpy_helper
+
+    graph = proto.graph
+    inputs = {i.name for i in graph.input}
+    casts = []
+    for k, init in enumerate(graph.initializer):
+        if init.data_type != TensorProto.FLOAT or init.name in inputs:
+            continue
+        values = numpy_helper.to_array(init)
+        if values.size < 2:
+            continue
+        half = values.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), values):
+            continue  # a float32 weight (a kept layer's): keep it
+        name = init.name
+        stored = name + "_kerasmp_f16"
+        graph.initializer[k].CopyFrom(numpy_helper.from_array(half, stored))
+        casts.append(helper.make_node(
+            "Cast", [stored], [name], to=TensorProto.FLOAT,
+            name=name + "_kerasmp_f32"))
+    if casts:  # before every node that reads them
+        nodes = list(graph.node)
+        del graph.node[:]
+        graph.node.extend(casts + nodes)
+    return proto
 
 
 # onnxruntime's input types as numpy dtype names.

@@ -16,7 +16,8 @@ import shutil
 import signal
 import tempfile
 import threading
-import warnings
+
+from kerasmp.export.quiet import say
 
 _STAGE_PREFIX = ".kerasmp-export-"
 _STAGE_RE = re.compile(r"\.kerasmp-export-(\d+)-[A-Za-z0-9_]+")
@@ -93,19 +94,15 @@ def _clean_stale(parent):
             target
         ):
             os.rename(previous, target)
-            warnings.warn(
+            say(
                 f"kerasmp.export: restored {target!r} from {stage!r}, left "
-                "by an export killed while replacing it.",
-                stacklevel=4,
-            )
+                "by an export killed while replacing it.")
         shutil.rmtree(stage, ignore_errors=True)
         removed.append(stage)
     if removed:
-        warnings.warn(
+        say(
             "kerasmp.export: removed staging folders left by killed exports"
-            f": {', '.join(removed)}",
-            stacklevel=4,
-        )
+            f": {', '.join(removed)}")
     return removed
 
 

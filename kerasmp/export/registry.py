@@ -11,9 +11,15 @@ from kerasmp.export.keras_file import write_keras
 from kerasmp.export.onnx import run_onnx
 from kerasmp.export.onnx import weights_onnx
 from kerasmp.export.onnx import write_onnx
+from kerasmp.export.pt2 import run_torch
+from kerasmp.export.pt2 import weights_torch
+from kerasmp.export.pt2 import write_torch
 from kerasmp.export.savedmodel import run_savedmodel
 from kerasmp.export.savedmodel import weights_savedmodel
 from kerasmp.export.savedmodel import write_savedmodel
+from kerasmp.export.specs import BACKEND_NAMES
+from kerasmp.export.specs import BACKENDS
+from kerasmp.export.specs import PIP_NAMES
 from kerasmp.export.specs import SPECS
 from kerasmp.export.specs import FormatSpec
 from kerasmp.export.tflite import run_tflite
@@ -53,6 +59,7 @@ REGISTRY = {f.name: f for f in (
             weights_savedmodel),
     _format("tflite", write_tflite, run_tflite, weights_tflite),
     _format("onnx", write_onnx, run_onnx, weights_onnx),
+    _format("torch", write_torch, run_torch, weights_torch),
 )}
 
 
@@ -68,12 +75,26 @@ def format_table():
         "|---|---|---|---|---|---|---|---|",
     ]
     for f in REGISTRY.values():
-        needs = (", ".join(f.packages) or "keras") + (
-            f" (`pip install kerasmp[{f.extra}]`)" if f.extra else "")
+        needs = _needs(f.packages, f.extra) or "keras"
+        if f.torch_packages is not None:
+            needs += "; on PyTorch " + _needs(f.torch_packages, f.torch_extra)
+        backends = ("any" if len(f.backends) == len(BACKENDS) else ", ".join(
+            BACKEND_NAMES[b] for b in f.backends))
         rows.append(
             f"| `{f.name}` | {f'`*{f.suffix}`' if f.suffix else 'a folder'} "
-            f"| {'TensorFlow' if f.needs_tensorflow else 'any'} "
+            f"| {backends} "
             f"| {', '.join(f.half_dtypes)} | {', '.join(f.io_dtypes)} "
             f"| {f.help} | {needs} | {f.read_with} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def _needs(packages, extra):
+    """`"a, b (`pip install kerasmp[x]`)"`, or the pip names without an
+    extra."""
+    if not packages:
+        return ""
+    if extra:
+        return f"{', '.join(packages)} (`pip install kerasmp[{extra}]`)"
+    return ", ".join(packages) + " (`pip install " + " ".join(
+        PIP_NAMES.get(p, p) for p in packages) + "`)"

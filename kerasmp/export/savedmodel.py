@@ -75,9 +75,38 @@ def jax_archive(model, specs, io_dtype):
         return keras.tree.map_structure(to_io, y)
 
     archive = keras.export.ExportArchive()
-    archive.track(model)
+    archive.track(_without_seeds(model))
     archive.add_endpoint("serve", serve, input_signature=signature)
     return archive
+
+
+def _without_seeds(model):
+    """A built layer whose variables are `model`'s less the states of its
+    seed generators (`Dropout`'s RNG state, a uint32 variable).
+
+    Tracked, the archive passes every variable through the jax2tf function
+    and writes the non-trainable ones back after each call: a uint32
+    read/assign that the TFLite converter refuses ("'tfl.read_variable' op
+    result #0 must be tensor of 32-bit float ...", keras-hub GPT-2 and
+    DeBERTa-v3 from JAX). Serving never draws from them (`training=False`);
+    untracked, a state read is a constant of the program.
+    """
+
+    def kept(variables):
+        return [v for v in variables if v.name != "seed_generator_state"]
+
+    class Variables(keras.layers.Layer):
+        @property
+        def trainable_variables(self):
+            return kept(model.trainable_variables)
+
+        @property
+        def non_trainable_variables(self):
+            return kept(model.non_trainable_variables)
+
+    layer = Variables(name=f"{model.name}_variables")
+    layer.built = True
+    return layer
 
 
 def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):

@@ -22,6 +22,11 @@ EXPORT_DTYPES = HALF_DTYPES + ("float32",)
 IO_DTYPES = ("float32", "float16")
 
 
+BACKENDS = ("tensorflow", "jax", "torch")
+# pip names of the import names the formats need, where they differ.
+PIP_NAMES = {"ai_edge_litert": "ai-edge-litert", "litert_torch": "litert-torch"}
+
+
 @dataclasses.dataclass(frozen=True)
 class FormatSpec:
     """One export format's rules.
@@ -29,9 +34,10 @@ class FormatSpec:
     Attributes:
         name: The `format=` value.
         suffix: The suffix `path` must end in, or None (a folder).
-        needs_tensorflow: Whether it needs `KERAS_BACKEND=tensorflow`
-            (SavedModel and TFLite are written from JAX too, through
-            TensorFlow when it is installed: `packages`).
+        backends: The Keras backends that can write it (SavedModel and
+            TFLite are written from JAX through TensorFlow when it is
+            installed; ONNX, TFLite and `.pt2` from PyTorch through
+            `torch.export`).
         half_dtypes: The half-precision dtypes it can store.
         source: What its writer gets: `"plain"` (a stock Keras copy with
             half-precision variables), `"half"` (`to_float16(model)`) or
@@ -42,11 +48,17 @@ class FormatSpec:
         packages: Python packages it needs (import names), checked first.
         extra: The `pip install kerasmp[extra]` that brings them, or None.
         io_dtypes: The input/output dtypes it can declare.
+        torch_packages: What it needs on the PyTorch backend instead of
+            `packages`, or None for the same.
+        torch_extra: The extra that brings `torch_packages`, or None (the
+            error then names the pip packages).
+        torch_source: `source` on the PyTorch backend, or None for the
+            same.
     """
 
     name: str
     suffix: object
-    needs_tensorflow: bool
+    backends: tuple
     half_dtypes: tuple
     source: str
     help: str
@@ -54,41 +66,69 @@ class FormatSpec:
     packages: tuple = ()
     extra: object = None
     io_dtypes: tuple = ("float32",)
+    torch_packages: object = None
+    torch_extra: object = None
+    torch_source: object = None
+
+    def needs(self, backend=None):
+        """`(packages, extra)` the format needs on `backend`."""
+        if backend == "torch" and self.torch_packages is not None:
+            return self.torch_packages, self.torch_extra
+        return self.packages, self.extra
+
+    def source_on(self, backend):
+        """What its writer gets on `backend` (see `source`)."""
+        if backend == "torch" and self.torch_source is not None:
+            return self.torch_source
+        return self.source
 
 
 SPECS = {s.name: s for s in (
     FormatSpec(
-        name="keras", suffix=".keras", needs_tensorflow=False,
+        name="keras", suffix=".keras", backends=BACKENDS,
         half_dtypes=HALF_DTYPES, source="plain",
         help=".keras file: the model's config with stock per-layer dtype "
              "policies + half-precision variables",
         read_with="`keras.saving.load_model` (any backend, no kerasmp)",
     ),
     FormatSpec(
-        name="savedmodel", suffix=None, needs_tensorflow=False,
+        name="savedmodel", suffix=None, backends=("tensorflow", "jax"),
         half_dtypes=HALF_DTYPES, source="half",
         help="SavedModel folder, serving_default signature",
         read_with="`tf.saved_model.load` (no Keras, no kerasmp)",
         packages=("tensorflow",), extra=None, io_dtypes=IO_DTYPES,
     ),
     FormatSpec(
-        name="tflite", suffix=".tflite", needs_tensorflow=False,
+        name="tflite", suffix=".tflite", backends=BACKENDS,
         half_dtypes=("float16",), source="float32",
         help=".tflite: float32 graph with float16 weights",
         read_with="`ai_edge_litert.interpreter.Interpreter`",
         packages=("tensorflow", "ai_edge_litert"), extra="tflite",
         io_dtypes=IO_DTYPES,
+        torch_packages=("litert_torch", "ai_edge_litert"),
     ),
     FormatSpec(
-        name="onnx", suffix=".onnx", needs_tensorflow=True,
+        name="onnx", suffix=".onnx", backends=("tensorflow", "torch"),
         half_dtypes=("float16",), source="half",
-        help=".onnx: tf2onnx of the float16 graph",
+        help=".onnx: the float16 graph (tf2onnx; torch.onnx on PyTorch)",
         read_with="`onnxruntime.InferenceSession`",
         packages=("tensorflow", "tf2onnx", "onnx", "onnxruntime"),
         extra="onnx", io_dtypes=IO_DTYPES,
+        torch_packages=("onnx", "onnxscript", "onnxruntime"),
+        torch_extra="onnx",
+    ),
+    FormatSpec(
+        name="torch", suffix=".pt2", backends=("torch",),
+        half_dtypes=HALF_DTYPES, source="half",
+        help=".pt2: a torch.export program of the half-precision model",
+        read_with="`torch.export.load(path).module()` (no Keras, no "
+                  "kerasmp)",
+        packages=("torch",), io_dtypes=IO_DTYPES,
     ),
 )}
 FORMATS = tuple(SPECS)
+BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX",
+                  "torch": "PyTorch"}
 
 
 def _check_choice(value, allowed, argname, context=""):
@@ -99,10 +139,53 @@ def _check_choice(value, allowed, argname, context=""):
         )
 
 
-def missing_packages(format):
-    """The packages `format` needs that are not installed (import names)."""
-    return [p for p in SPECS[format].packages
+def missing_packages(format, backend=None):
+    """The packages `format` needs on `backend` that are not installed
+    (import names)."""
+    return [p for p in SPECS[format].needs(backend)[0]
             if importlib.util.find_spec(p) is None]
+
+
+def writable_formats(backend):
+    """The formats `backend` can write (all of them for None)."""
+    return [name for name, spec in SPECS.items()
+            if backend is None or backend in spec.backends]
+
+
+def alternatives(format, backend=None):
+    """The other formats `backend` writes, as words: `"'savedmodel',
+    'tflite' or 'onnx'"`.
+
+    Example:
+
+    >>> alternatives("keras", "jax")
+    "'savedmodel' or 'tflite'"
+    """
+    names = [f"{n!r}" for n in writable_formats(backend) if n != format]
+    if len(names) <= 1:
+        return "".join(names)
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _check_backend(format, backend):
+    """Raises a one-sentence ValueError if `backend` cannot write
+    `format`."""
+    spec = SPECS[format]
+    if backend is None or backend in spec.backends:
+        return
+    why = {
+        "savedmodel": "a SavedModel is a TensorFlow graph, which needs "
+                      "TensorFlow or JAX (jax2tf) to trace the model",
+        "onnx": "tf2onnx cannot convert jax2tf's XlaCallModule",
+        "torch": "a .pt2 is a torch.export program of the PyTorch backend",
+    }.get(format, "no converter takes its graph")
+    where = " or ".join(spec.backends)
+    raise ValueError(
+        f"format={format!r} cannot be written from the "
+        f"{BACKEND_NAMES.get(backend, backend)} backend ({why}): set "
+        f"KERAS_BACKEND={where}, or use format="
+        f"{alternatives(format, backend)}."
+    )
 
 
 def check_target(path, format="savedmodel", overwrite=False, dtype=None,
@@ -110,11 +193,13 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
     """Checks an export's arguments and output path before any model work.
 
     Checks, in this order: `format` is one of `FORMATS`; `dtype` and
-    `io_dtype`, when given, are allowed for it; every package it needs is
-    installed (the error names them and the `pip install kerasmp[...]`
-    extra); `path` ends in the format's suffix (`.keras`, `.tflite`,
-    `.onnx`), or, for a SavedModel (a folder), in none of them; `backend`,
-    when given, can write it; `path` is not `.`, `/`, the home folder or a
+    `io_dtype`, when given, are allowed for it; `backend`, when given, can
+    write it (one sentence naming the backends that can and the formats
+    this one writes); every package it needs there is installed (the error
+    names them and the `pip install kerasmp[...]` extra, or the pip
+    packages); `path` ends in the format's suffix (`.keras`, `.tflite`,
+    `.onnx`, `.pt2`), or, for a SavedModel (a folder), in none of them;
+    `path` is not `.`, `/`, the home folder or a
     folder holding the working directory (publishing replaces the path), nor
     `source`; it does not exist unless `overwrite=True`, and an existing
     `path` is of the kind written (a folder for a SavedModel, else a file);
@@ -122,7 +207,8 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
 
     Args:
         path: The output path (`str` or `os.PathLike`).
-        format: `"savedmodel"` (default), `"keras"`, `"tflite"` or `"onnx"`.
+        format: `"savedmodel"` (default), `"keras"`, `"tflite"`, `"onnx"`
+            or `"torch"`.
         overwrite: Whether an existing `path` may be replaced.
         dtype: Optional; `"float16"`, `"bfloat16"` or `"float32"`.
         backend: Optional; the Keras backend that will write it.
@@ -157,24 +243,21 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
         _check_choice(io_dtype, IO_DTYPES, "io_dtype")
         _check_choice(io_dtype, spec.io_dtypes, "io_dtype",
                       f" for format={format!r}")
-    missing = missing_packages(format)
+    _check_backend(format, backend)
+    missing = missing_packages(format, backend)
     if missing:
-        hint = (f"pip install kerasmp[{spec.extra}]" if spec.extra
-                else f"pip install {' '.join(missing)}")
+        _, extra = spec.needs(backend)
+        hint = (f"pip install kerasmp[{extra}]" if extra else "pip install "
+                + " ".join(PIP_NAMES.get(m, m) for m in missing))
+        on = (" on the PyTorch backend" if backend == "torch"
+              and spec.torch_packages is not None else "")
         raise ImportError(
-            f"format={format!r} needs {', '.join(missing)}, which is not "
-            f"installed: {hint}."
+            f"format={format!r}{on} needs {', '.join(missing)}, which is "
+            f"not installed: {hint}."
         )
     folder = spec.suffix is None
     path = as_path(path, kind="folder" if folder else "file")
     _check_suffix(path, format)
-    if spec.needs_tensorflow and backend not in (None, "tensorflow"):
-        raise ValueError(
-            f"format={format!r} needs the TensorFlow backend, but this "
-            f"process runs Keras on {backend!r}. Set "
-            "KERAS_BACKEND=tensorflow, or use format='keras', 'savedmodel' "
-            "or 'tflite'."
-        )
     _publish.refuse_dangerous(path)
     if (source is not None and os.path.exists(path)
             and os.path.exists(source) and os.path.samefile(path, source)):

@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 
 import keras
 import numpy as np
@@ -34,6 +33,7 @@ from kerasmp.export.inputs import PREDICT_BATCH
 from kerasmp.export.inputs import batched
 from kerasmp.export.inputs import predict
 from kerasmp.export.parity import parity
+from kerasmp.export.quiet import say
 from kerasmp.export.savedmodel import jax_archive
 from kerasmp.export.savedmodel import output_order
 from kerasmp.export.savedmodel import serving_module
@@ -194,10 +194,10 @@ def _warn_fixed(model, specs, error):
     shapes = ", ".join(f"{n}: {tuple(s)}" for n, s, _ in specs)
     batch = ("the batch may vary" if specs[0][1][0] is None
              else "one example per call")
-    warnings.warn(
+    say(
         f"kerasmp.export: the TFLite file of {model.name!r} takes inputs "
         f"of fixed shape ({shapes}; {batch}): otherwise {why}. Pass "
-        "`sample=` inputs of the length you serve.", stacklevel=5)
+        "`sample=` inputs of the length you serve.")
 
 
 def summary(e):
@@ -227,6 +227,9 @@ def write_tflite(model, path, specs, dtype, io_dtype, example=None):
     float32 graph, which the converter writes. Builtin ops only; an unknown
     length is fixed to `example`'s when that avoids Flex ops (see
     `convert`)."""
+    if keras.backend.backend() == "torch":
+        _write_tflite_torch(model, path, specs, io_dtype, example)
+        return
     import tensorflow as tf
 
     folders = []
@@ -338,3 +341,21 @@ def weights_tflite(path):
         buffer = model.Buffers(i)
         total += buffer.DataLength()
     return total
+
+
+def _write_tflite_torch(model, path, specs, io_dtype, example):
+    """From PyTorch: `litert_torch.convert` of the serving module (the
+    float32 model, the parity inputs' first rows as its sample), as stock
+    Keras's `model.export(format="litert")` does there. litert-torch has
+    no float16-weight option, so the weights stay float32 (the report's
+    `weight_ratio` says so). Not run in kerasmp's tests (litert-torch is
+    not installed there)."""
+    import litert_torch
+
+    from kerasmp.export.pt2 import sample_args
+    from kerasmp.export.pt2 import serving_module as torch_module
+
+    source = model.source_model() if isinstance(model, HalfModel) else model
+    module = torch_module(source, specs, io_dtype)
+    edge = litert_torch.convert(module, sample_args(specs, example, io_dtype))
+    edge.export(path)

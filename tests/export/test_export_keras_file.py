@@ -118,11 +118,16 @@ def test_keras_hub_plain_keras_loads_without_kerasmp(tmp_path, backend):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = kx.export(model, str(path), format="keras", gate=True)
-    said = [str(w.message) for w in caught
-            if "compute in float16, not float32" in str(w.message)]
+    said = [w for w in caught if "kerasmp" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
-    assert "self_attention_layer/softmax" in said[0]
+    assert "self_attention_layer/softmax" in str(said[0].message)
+    assert "computes in float16, not float32" in str(said[0].message)
+    assert said[0].filename == __file__  # the user's call, one sentence
     assert not any("softmax" in k for k in report.kept_float32)
+    left = report.left_at_default
+    assert left and all("/softmax" in k for k in left)
+    assert {v["compute_dtype"] for v in left.values()} == {"float16"}
+    assert "left at default" in str(report)
     assert any(k.endswith("self_attention_layer_norm")
                for k in report.kept_float32)
     assert report.weight_ratio <= 0.52

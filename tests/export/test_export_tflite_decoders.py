@@ -122,11 +122,13 @@ def test_flex_op_error_names_op_and_layer(tmp_path):
 
 @pytest.mark.slow  # 45 s: jax2tf, then the converter, twice per family
 @pytest.mark.skipif(BACKEND != "jax", reason="the JAX route (jax2tf)")
-@pytest.mark.parametrize("family", ["mistral", "gemma"])
+@pytest.mark.parametrize("family", ["mistral", "gemma", "deberta"])
 def test_decoder_tflite_from_jax_fixes_the_batch(tmp_path, family):
     # From JAX the converter mis-lowers these decoders with a free batch
-    # (Mistral: 0.31 of the output range; Gemma: 'tfl.greater' not
-    # legalized); with batch and length fixed they convert exactly.
+    # (Mistral: 0.31 of the output range; Gemma: 'tfl.greater', DeBERTa-v3:
+    # 'tfl.greater_equal' not legalized); with batch and length fixed they
+    # convert exactly. (DeBERTa-v3 failed on its Dropout's RNG state
+    # before: see test_gpt2_tflite_from_jax_runs.)
     from ai_edge_litert.interpreter import Interpreter
 
     with policy_scope(Policy("mixed_float16")):
@@ -154,15 +156,29 @@ def test_decoder_tflite_from_jax_fixes_the_batch(tmp_path, family):
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the JAX route (jax2tf)")
-def test_deberta_tflite_from_jax_is_one_clear_error(tmp_path):
+def test_gpt2_tflite_from_jax_runs(tmp_path):
+    # Issue 27 item 4: the archive passed Dropout's uint32 RNG state through
+    # jax2tf and wrote it back after each call, a uint32 variable read the
+    # converter refused ("'tfl.read_variable' op result #0 must be tensor
+    # of 32-bit float ..."). Serving never draws from it: not tracked now.
+    from ai_edge_litert.interpreter import Interpreter
+
+    keras_hub = pytest.importorskip("keras_hub")
     with policy_scope(Policy("mixed_float16")):
-        model = _backbone("deberta")
-    path = tmp_path / "deberta.tflite"
+        keras.utils.set_random_seed(0)
+        model = keras_hub.models.GPT2Backbone(
+            vocabulary_size=256, num_layers=1, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, max_sequence_length=16)
+    sample = {k: v[:8] for k, v in _sample().items()}
+    path = str(tmp_path / "gpt2.tflite")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ValueError) as info:
-            kx.export(model, str(path), format="tflite", sample=_sample())
-    message = str(info.value)
-    assert "from JAX" in message and "KERAS_BACKEND=tensorflow" in message
-    assert "\n" not in message and "tfl." in message
-    assert not path.exists()
+        warnings.simplefilter("ignore")  # the fixed length, said once
+        report = kx.export(model, path, format="tflite", sample=sample,
+                           gate=True)
+    runner = Interpreter(model_path=path).get_signature_runner(
+        "serving_default")
+    rows = {k: v[2:5] for k, v in sample.items()}  # another batch size
+    got = next(iter(runner(**rows).values()))
+    want = _reference(model, rows)
+    assert np.max(np.abs(got - want)) / np.ptp(want) < 2e-2
+    assert report.weight_ratio < 0.6

@@ -217,17 +217,24 @@ def test_to_float16_without_rebuild(kind):
     np.testing.assert_allclose(half.predict(x, verbose=0), ref, atol=1e-2)
 
 
-def test_layer_order_keras_refused_as_plain_keras(tmp_path):
-    # Its __init__ creates the sublayers with dtype=None: a plain Keras
-    # file cannot give them float16 (stock Keras gives them the global
-    # policy at load), so the .keras export says so, naming the layer,
-    # and writes nothing (issue 16); the other formats work (below).
+def test_layer_order_keras_leaves_proj_at_the_default(tmp_path):
+    # Its __init__ creates `proj` with dtype=None: a plain Keras file cannot
+    # give it float16 (stock Keras gives it the global policy at load). The
+    # .keras export leaves it there (float32) since the file passes parity
+    # so, and says which layer and what it costs (issue 27; it refused the
+    # model before).
     model, ref, x = _pair(Backbone)
     path = str(tmp_path / "m.keras")
-    with pytest.raises(ValueError,
-                       match=r"(?s)plain Keras.*layer '.*savedmodel"):
-        kx.export(model, path, format="keras", sample=x)
-    assert os.listdir(tmp_path) == []
+    with pytest.warns(UserWarning, match="proj"):
+        report = kx.export(model, path, format="keras", sample=x)
+    left = report.left_at_default
+    assert len(left) == 1 and next(iter(left)).endswith("proj"), left
+    entry = next(iter(left.values()))
+    assert (entry["weights_dtype"], entry["wanted"]) == ("float32",
+                                                         "float16")
+    assert entry["extra_bytes"] == 2 * (4 * 8 + 8)
+    loaded = keras.saving.load_model(path, compile=False)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), ref, atol=1e-2)
 
 
 def test_broken_config_keras_fails_cleanly(tmp_path):

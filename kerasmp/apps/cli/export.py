@@ -1,5 +1,5 @@
 """`kerasmp export`: a `.keras` model in half precision (keras, savedmodel,
-tflite, onnx) with a parity report (`kerasmp.export`)."""
+tflite, onnx, torch) with a parity report (`kerasmp.export`)."""
 
 import json
 import os
@@ -25,11 +25,14 @@ def add_arguments(parser):
     parser.add_argument(
         "out", metavar="OUT",
         help="output path: a .keras file (--format keras), a SavedModel "
-        "folder (savedmodel), a .tflite file (tflite) or a .onnx file (onnx)")
+        "folder (savedmodel), a .tflite file (tflite), a .onnx file (onnx) "
+        "or a .pt2 file (torch)")
     parser.add_argument(
         "--format", choices=FORMATS, default="savedmodel",
         help="artifact format (default: savedmodel; tflite needs pip "
-        "install kerasmp[tflite], onnx kerasmp[onnx])")
+        "install kerasmp[tflite], onnx kerasmp[onnx]; savedmodel needs "
+        "KERAS_BACKEND=tensorflow or jax, torch (a torch.export .pt2) "
+        "KERAS_BACKEND=torch)")
     parser.add_argument(
         "--dtype", choices=EXPORT_DTYPES, default="float16",
         help="weight dtype (default: float16; bfloat16 not for tflite/onnx; "
@@ -52,7 +55,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--io-dtype", choices=IO_DTYPES, default="float32",
         help="dtype of the artifact's float inputs and outputs (savedmodel, "
-        "tflite, onnx; default float32)")
+        "tflite, onnx, torch; default float32)")
     parser.add_argument(
         "--keep-float32", action="append", default=None, metavar="REGEX",
         type=regex,
@@ -100,7 +103,8 @@ def run(args):
             model, args.out, format=args.format, dtype=args.dtype,
             sample=sample, keep_float32=args.keep_float32,
             overwrite=args.overwrite, max_rel_diff=args.max_rel_diff,
-            max_diff=args.max_diff, io_dtype=args.io_dtype, gate=True)
+            max_diff=args.max_diff, io_dtype=args.io_dtype, gate=True,
+            verbose=bool(args.verbose))
     except ParityError as e:
         report, failed = e.report, e
     except (ValueError, TypeError, ImportError, FileExistsError) as e:
@@ -121,7 +125,7 @@ def run(args):
 EXPORT = Command(
     name="export",
     help="export a .keras model in half precision (keras, savedmodel, "
-    "tflite, onnx) with a parity report",
+    "tflite, onnx, torch) with a parity report",
     description="Export a .keras model in half precision and print a size "
     "and parity report against its float32 master weights. OUT is checked "
     "(suffix, --overwrite) before the model is loaded. If parity fails (max "

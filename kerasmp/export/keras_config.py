@@ -1,0 +1,180 @@
+"""The config side of the `.keras` export: a model's config with each
+layer's `dtype` rewritten to stock Keras dtype policies, rebuilt under a
+float32 global policy as a process without kerasmp loads it, and paired
+layer by layer with the model it came from.
+
+`keras_file.build` decides the policies; this module writes them into the
+config (`rewrite`, `plain_policy`, `policy_map`), rebuilds it (`rebuild`)
+and says what failed (`NotExpressible`, `root_cause`, `instead`).
+"""
+
+import copy
+import re
+
+import keras
+
+from kerasmp._utils.layers import walk
+from kerasmp.export.half import is_graph_model
+from kerasmp.export.specs import alternatives
+
+_POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
+
+
+class NotExpressible(ValueError, TypeError):
+    """The model cannot be written as a plain Keras `.keras` file (a
+    ValueError; also a TypeError, as the no-get_config() case was)."""
+
+
+def instead():
+    """`"export to 'savedmodel', 'tflite' or 'onnx' instead"`: the other
+    formats this process's backend writes."""
+    return (f"export to {alternatives('keras', keras.backend.backend())} "
+            "instead")
+
+
+def cannot_write(model, why):
+    """The one-sentence `NotExpressible` for `model`: `why`, then the
+    formats that work."""
+    return NotExpressible(
+        f"format='keras' cannot write {model.name!r} as a plain Keras "
+        f"file: {why}; {instead()}.")
+
+
+def plain_policy(name):
+    """A stock `DTypePolicy(name)`, serialized: what a layer whose
+    sublayers all take one policy gets (Keras passes it to `__init__` as
+    the name, which its automatic `get_config` can store)."""
+    return keras.saving.serialize_keras_object(keras.DTypePolicy(name))
+
+
+def policy_map(default, entries):
+    """A stock `DTypePolicyMap`, serialized: `default` and `{layer path:
+    policy name}`."""
+    mapping = keras.dtype_policies.DTypePolicyMap(
+        default_policy=keras.DTypePolicy(default),
+        policy_map={p: keras.DTypePolicy(n) for p, n in entries.items()},
+    )
+    return keras.saving.serialize_keras_object(mapping)
+
+
+def replace_policies(config, policy):
+    """`config` with every dtype policy entry replaced by `policy`.
+
+    The `dtype` of an `InputLayer` (a tensor dtype, not a policy) and
+    quantized policies are left alone.
+    """
+    if isinstance(config, list):
+        return [replace_policies(c, policy) for c in config]
+    if not isinstance(config, dict):
+        return config
+    out = {}
+    for key, value in config.items():
+        if key == "dtype" and isinstance(value, dict) and value.get(
+            "class_name"
+        ) in _POLICY_CLASSES:
+            out[key] = copy.deepcopy(policy)
+        else:
+            out[key] = replace_policies(value, policy)
+    return out
+
+
+def rewrite(config, layer, node_policy):
+    """`config` (of `layer`) with each layer's dtype = `node_policy(layer)`.
+
+    Functional and Sequential models are walked into: each of their layers
+    gets its own entry. Any other layer's config (and what it nests) gets
+    one policy (or map) covering the layer and the sublayers it creates
+    itself.
+    """
+    if is_graph_model(layer) and isinstance(config.get("config"),
+                                                  dict):
+        inner = dict(config["config"])
+        children = []
+        for sub in inner.get("layers", []):
+            name = (sub.get("config") or {}).get("name")
+            if sub.get("class_name") == "InputLayer" or name is None:
+                children.append(sub)
+                continue
+            try:
+                child = layer.get_layer(name)
+            except ValueError:  # an op node (`x + y`), not a layer
+                child = None
+            children.append(rewrite(sub, child, node_policy))
+        inner["layers"] = children
+        if isinstance(inner.get("dtype"), dict):
+            inner["dtype"] = node_policy(layer)
+        return {**config, "config": inner}
+    return replace_policies(config, node_policy(layer))
+
+
+def rebuild(config, model, global_policy="float32"):
+    """The model `config` describes, built under a float32 global policy
+    (as a process without kerasmp loads the file; or `global_policy`);
+    `model` names it in errors."""
+    try:
+        with float32_global(global_policy):
+            rebuilt = keras.saving.deserialize_keras_object(config)
+    except Exception as e:  # any failure of a user's from_config
+        raise cannot_write(model, "its config does not rebuild it "
+                           f"({root_cause(e)})") from e
+    if not rebuilt.built:
+        raise cannot_write(model, "the model rebuilt from its config is "
+                           "not built (no build config)")
+    return rebuilt
+
+
+def root_cause(e):
+    """The first line of the innermost exception, or Keras's "Could not
+    locate class" sentence (naming the unregistered class) when present."""
+    m = re.search(r"Could not locate class '[^']+'", str(e))
+    if m:
+        return m.group(0) + " (register it with "\
+            "@keras.saving.register_keras_serializable())"
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    line = text[0] if text else ""
+    if len(line) > _CAUSE_CHARS:  # cut at a word, and say so
+        line = line[:_CAUSE_CHARS].rsplit(" ", 1)[0] + " ..."
+    return f"{type(e).__name__}: {line}"
+
+
+_CAUSE_CHARS = 300
+"""How much of the innermost exception's first line `root_cause` quotes."""
+
+
+class float32_global:
+    """The global dtype policy is float32 (or `policy`) while the copy is
+    rebuilt, as in a process that loads the file without kerasmp."""
+
+    def __init__(self, policy="float32"):
+        self.policy = policy
+
+    def __enter__(self):
+        self.previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(self.policy)
+
+    def __exit__(self, *exc):
+        keras.config.set_dtype_policy(self.previous)
+        return False
+
+
+def pairs(model, rebuilt):
+    """`[(path, source layer, rebuilt layer)]`, checked to be the same."""
+    source = list(walk(model))
+    copies = list(walk(rebuilt))
+    same = len(source) == len(copies) and all(
+        type(a) is type(b)
+        for (_, a), (_, b) in zip(source, copies)
+    )
+    if not same:
+        first = next(
+            (p for (p, a), (_, b) in zip(source, copies)
+             if type(a) is not type(b)),
+            source[min(len(source), len(copies)) - 1][0] if source else "",
+        )
+        raise cannot_write(model, "its config does not rebuild the same "
+                           f"layers (first difference at layer {first!r})")
+    return [(p, a, b) for (p, a), (_, b) in zip(source, copies)]
+
+

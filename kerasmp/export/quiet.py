@@ -1,0 +1,145 @@
+"""Quiet exports (no framework import): what the converters print is
+silenced unless `verbose`, and what kerasmp has to say comes once, in one
+sentence each, pointing at the user's call.
+
+- `converters(verbose)`: around the calls that convert or run an artifact
+  (TensorFlow's and PyTorch's exporters, tf2onnx, the TFLite converter,
+  onnxruntime, the LiteRT interpreter), and only when not `verbose`: file
+  descriptor 2 goes to /dev/null (their C++ logs: MLIR diagnostics,
+  onnxruntime's graph rewriters, XNNPACK's INFO line), the Python loggers
+  of the frameworks are raised to ERROR (`INFO:tensorflow:Assets written
+  to ...`, absl's "unsaved custom gradients", torch.onnx's registrations)
+  and their Python warnings are ignored (numpy FutureWarnings).
+- `say(message)`: a kerasmp warning. Inside `collected()` (what `export`
+  opens) it is kept and `collected` warns each message once on exit; else
+  it warns now. Either way its `stacklevel` points at the first frame
+  outside kerasmp: the user's call, never a kerasmp source line.
+"""
+
+import contextlib
+import inspect
+import logging
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The loggers the converters write to (Python `logging`).
+_LOGGERS = ("tensorflow", "absl", "jax", "jax._src", "torch", "torch.onnx",
+            "torch.export", "torch._dynamo", "torch.fx", "onnxscript",
+            "onnx_ir", "tf2onnx", "litert_torch", "h5py")
+_notes = []
+_depth = [0]
+
+
+def user_stacklevel():
+    """The `stacklevel` that makes `warnings.warn`, called in the function
+    that calls this one, point at the first frame outside kerasmp (and
+    `contextlib`, whose `with` machinery runs `collected`'s exit)."""
+    frame = inspect.currentframe().f_back
+    level = 1
+    while frame is not None and _internal(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _internal(filename):
+    return (filename.startswith(_PACKAGE + os.sep)
+            or filename == contextlib.__file__)
+
+
+def say(message, category=UserWarning):
+    """Warns `message` (one sentence) at the user's call; kept for the end
+    of the export inside `collected()`."""
+    if _depth[0]:
+        if (message, category) not in _notes:
+            _notes.append((message, category))
+        return
+    warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+@contextlib.contextmanager
+def collected():
+    """Keeps `say`'s messages until the block ends, then warns each once
+    (also when the block raises: what was said still holds)."""
+    _depth[0] += 1
+    start = len(_notes)
+    try:
+        yield
+    finally:
+        _depth[0] -= 1
+        notes = _notes[start:]
+        del _notes[start:]
+        for message, category in notes:
+            if _depth[0]:
+                _notes.append((message, category))
+            else:
+                warnings.warn(message, category,
+                              stacklevel=user_stacklevel())
+
+
+@contextlib.contextmanager
+def discarded():
+    """Forgets what `say` is told while the block runs (the float32
+    baseline's writer repeats what the artifact's writer said)."""
+    _depth[0] += 1
+    start = len(_notes)
+    try:
+        yield
+    finally:
+        _depth[0] -= 1
+        del _notes[start:]
+
+
+@contextlib.contextmanager
+def fd2_silenced(active=True):
+    """Sends file descriptor 2 to /dev/null while the block runs: C and C++
+    libraries write there directly, past `sys.stderr`."""
+    if not active:
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def converters(verbose=False):
+    """Silences the converters' output while the block runs, unless
+    `verbose` (see the module docstring)."""
+    if verbose:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _LOGGERS]
+    levels = [logger.level for logger in loggers]
+    absl = sys.modules.get("absl.logging")
+    absl_level = absl.get_verbosity() if absl is not None else None
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        if absl is not None:
+            absl.set_verbosity(absl.ERROR)
+        with warnings.catch_warnings(), fd2_silenced():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if absl is not None:
+            absl.set_verbosity(absl_level)
