@@ -224,6 +224,7 @@ def doctor(bench=None):
         "keras": keras.__version__,
         "tensorflow": _version("tensorflow"),
         "jax": _version("jax"),
+        "torch": _version("torch"),
     }
     if isinstance(bench, (str, os.PathLike)):
         with open(bench, encoding="utf-8") as f:
@@ -232,7 +233,7 @@ def doctor(bench=None):
     policy, reason, warnings = recommend(devices, backend, bench)
     if "KERAS_BACKEND" not in os.environ and backend == "tensorflow":
         reason += (" Backend: tensorflow, the default; set KERAS_BACKEND=jax"
-                   " to check the JAX backend.")
+                   " or torch to check the JAX or PyTorch backend.")
     return DoctorReport(versions, backend, devices, policy, reason, warnings)
 
 

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Runs the test suite on both Keras backends: everything under TensorFlow,
-# then every test not marked `tensorflow` under JAX, each on two
-# pytest-xdist workers (see below). Extra arguments go to both pytest runs.
-# Both runs always happen; the script fails if either failed (exit status 1,
-# after naming the failed backends).
+# Runs the test suite on the three Keras backends: everything under
+# TensorFlow, then every test not marked `tensorflow` under JAX, then the
+# tests marked `torch` under PyTorch (the train step, optimizer, policy,
+# monitors, diagnostics, export and the docs' `backend: any` blocks: the
+# PyTorch backend is newer, and a PyTorch step on a CPU is several times
+# slower, so it gets a representative subset; `jit=True` cases are skipped
+# there, tests/conftest.py), each on two pytest-xdist workers (see below).
+# Extra arguments go to every pytest run. Every run always happens; the
+# script fails if any failed (exit status 1, after naming the failed
+# backends). A PyTorch-less environment skips the third run, saying so.
 #
 # The few tests marked `slow` (the full demo, ResNet-50, multi-process
 # distribution...) are left out, so the suite takes under 15 minutes on two
@@ -67,6 +72,7 @@ failed=()
 tf_marks=()
 if [[ -n "$selection" ]]; then tf_marks=(-m "$selection"); fi
 jax_marks="not tensorflow${selection:+ and ($selection)}"
+torch_marks="torch and not tensorflow${selection:+ and ($selection)}"
 # pytest's status 5 (no test selected) is not a failure.
 run_pass() {
     local backend="$1"
@@ -79,8 +85,17 @@ echo "== KERAS_BACKEND=tensorflow${selection:+ (-m \"$selection\")}"
 run_pass tensorflow "${tf_marks[@]}" "$@"
 echo "== KERAS_BACKEND=jax (-m \"$jax_marks\")"
 run_pass jax -m "$jax_marks" "$@"
+ran="tensorflow and jax"
+if "$python" -c "import torch" 2>/dev/null; then
+    ran="tensorflow, jax and torch"
+    echo "== KERAS_BACKEND=torch (-m \"$torch_marks\")"
+    run_pass torch -m "$torch_marks" "$@"
+else
+    echo "== KERAS_BACKEND=torch: skipped, PyTorch is not installed" \
+        "(pip install -e \".[dev]\" installs it)"
+fi
 if ((${#failed[@]})); then
     echo "== FAILED on: ${failed[*]}" >&2
     exit 1
 fi
-echo "== passed on tensorflow and jax"
+echo "== passed on $ran"

@@ -19,10 +19,12 @@ How the blocks are found and run (also in docs/architecture.md,
     variables). A named block and all blocks continuing it (directly or
     through each other) form one chain and one test, run in file order.
   - `<!-- backend: jax -->`, `<!-- backend: tensorflow -->`,
-    `<!-- backend: any -->`: which Keras backend the block is for. Without
-    the marker a block is a TensorFlow block. A test runs only on its
-    backend (this file runs under KERAS_BACKEND=tensorflow and =jax); a
-    continuation inherits its chain's backend.
+    `<!-- backend: torch -->`, `<!-- backend: any -->`: which Keras backend
+    the block is for. Without the marker a block is a TensorFlow block. A
+    test runs only on its backend (this file runs under
+    KERAS_BACKEND=tensorflow and =jax; its `any` and `torch` blocks also
+    under =torch, marked `torch`); a continuation inherits its chain's
+    backend.
 
 - Each chain runs in this process (TensorFlow or JAX is imported once), in
   a fresh namespace, in an empty temporary folder as the working
@@ -49,7 +51,7 @@ BACKEND = keras.backend.backend()
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _MARKER = re.compile(r"^<!--\s*(.*?)\s*-->\s*$")
 _KEYED = re.compile(r"^(name|continues|backend):\s*(\S+)$")
-BACKENDS = ("tensorflow", "jax", "any")
+BACKENDS = ("tensorflow", "jax", "torch", "any")
 
 
 class Block:
@@ -167,6 +169,8 @@ def _params():
             )
         if backend == "tensorflow":
             marks.append(pytest.mark.tensorflow)
+        if backend in ("any", "torch"):
+            marks.append(pytest.mark.torch)
         params.append(pytest.param(chain, id=chain[0].where, marks=marks))
     return params
 

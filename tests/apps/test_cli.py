@@ -134,7 +134,7 @@ def test_help_names_every_export_format_and_the_parity_gate():
     assert "onnx" in top and "tflite" in top and "savedmodel" in top
     export_help = " ".join(cli.build_parser().commands["export"]
                            .format_help().split())
-    assert "{keras,savedmodel,tflite,onnx}" in export_help
+    assert "{keras,savedmodel,tflite,onnx,torch}" in export_help
     assert "leaves NOTHING at OUT" in export_help
     assert "RUNS THE FILE'S CODE" in export_help
 
@@ -495,26 +495,34 @@ def _fake_run_sh(tmp_path, failing, args, status=1):
 
 
 @pytest.mark.parametrize("failing, code", [
-    ("tensorflow", 1), ("jax", 1), ("none", 0)])
-def test_run_sh_runs_both_backends(failing, code, tmp_path):
+    ("tensorflow", 1), ("jax", 1), ("torch", 1), ("none", 0)])
+def test_run_sh_runs_every_backend(failing, code, tmp_path):
     proc, calls = _fake_run_sh(tmp_path, failing, ["-q"])
     assert proc.returncode == code, proc.stdout + proc.stderr
-    # The fake python also answers run.sh's `import xdist` probe (yes), so
-    # both passes get two xdist workers; the slow tests are left out.
+    if code:
+        assert f"FAILED on: {failing}" in proc.stderr
+    # The fake python also answers run.sh's `import xdist` and `import
+    # torch` probes (yes), so the three passes get two xdist workers; the
+    # slow tests are left out; PyTorch runs the tests marked `torch`.
     assert calls == [
         "tensorflow -m pytest -m not slow -n 2 --dist worksteal -q",
         "jax -m pytest -m not tensorflow and (not slow) -n 2 --dist worksteal"
-        " -q"]
+        " -q",
+        "torch -m pytest -m torch and not tensorflow and (not slow) -n 2 "
+        "--dist worksteal -q"]
 
 
 @pytest.mark.parametrize("flag, tf_marks, jax_marks", [
     ("--slow", "-m slow ", "not tensorflow and (slow)"),
     ("--all", "", "not tensorflow")])
 def test_run_sh_slow_and_all(flag, tf_marks, jax_marks, tmp_path):
+    torch_marks = jax_marks.replace("not tensorflow",
+                                    "torch and not tensorflow")
     # pytest's status 5 (nothing selected: no slow test runs on JAX) is not
     # a failure; status 1 is.
     proc, calls = _fake_run_sh(tmp_path, "jax", [flag, "-q"], status=5)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert calls == [
         f"tensorflow -m pytest {tf_marks}-n 2 --dist worksteal -q",
-        f"jax -m pytest -m {jax_marks} -n 2 --dist worksteal -q"]
+        f"jax -m pytest -m {jax_marks} -n 2 --dist worksteal -q",
+        f"torch -m pytest -m {torch_marks} -n 2 --dist worksteal -q"]

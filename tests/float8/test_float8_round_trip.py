@@ -7,11 +7,14 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 from _helpers import BLOCK_KERASMP
 from _helpers import script_result
 from _helpers import subprocess_env
 
 import kerasmp
+
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
 
 SERVE = BLOCK_KERASMP + """
 import keras, numpy as np

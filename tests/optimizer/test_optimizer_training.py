@@ -10,6 +10,8 @@ from keras import ops
 
 from kerasmp.optimizer import LossScaleOptimizer
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 BACKEND = keras.backend.backend()
 
 

@@ -13,6 +13,8 @@ from kerasmp.optimizer import ScaleRule
 from kerasmp.optimizer import ScaleState
 from kerasmp.optimizer import next_state
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 
 def _rule(**kw):
     settings = dict(growth_steps=3, growth_factor=2.0, backoff_factor=0.5,

@@ -162,10 +162,11 @@ def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
     # The warning points at this file, not at Keras's callback list.
     assert found[0].filename == __file__
     # The fix it names works: kerasmp's optimizer takes the stock one, with
-    # its inner optimizer and settings.
+    # its inner optimizer, settings and current scale.
     converted = LossScaleOptimizer(stock)
     assert converted.inner_optimizer is stock.inner_optimizer
-    assert converted.initial_scale == stock.initial_scale
+    assert converted.initial_scale == float(
+        keras.ops.convert_to_numpy(stock.dynamic_scale))
     assert converted.dynamic_growth_steps == stock.dynamic_growth_steps
 
 
