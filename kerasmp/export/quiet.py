@@ -23,6 +23,8 @@ import os
 import sys
 import warnings
 
+from kerasmp._utils.stderr import fd2_silenced
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The loggers the converters write to (Python `logging`).
 _LOGGERS = ("tensorflow", "absl", "jax", "jax._src", "torch", "torch.onnx",
@@ -90,33 +92,6 @@ def discarded():
     finally:
         _depth[0] -= 1
         del _notes[start:]
-
-
-@contextlib.contextmanager
-def fd2_silenced(active=True):
-    """Sends file descriptor 2 to /dev/null while the block runs: C and C++
-    libraries write there directly, past `sys.stderr`."""
-    if not active:
-        yield
-        return
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ Keras/kerasmp or holds a Python lambda (`unsafe_contents`), unless
 reads a `--sample` `.npy`/`.npz` file without unpickling anything.
 """
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -17,6 +16,7 @@ import re
 import sys
 import zipfile
 
+from kerasmp._utils.stderr import fd2_silenced
 from kerasmp.apps.cli.base import UsageError
 
 # Top-level packages a `.keras` config may name without --unsafe: Keras
@@ -38,33 +38,6 @@ def _quiet_logs(verbose):
     return False
 
 
-@contextlib.contextmanager
-def _stderr_silenced(active):
-    """Sends file descriptor 2 to /dev/null (C++ logs written before absl
-    is initialized ignore TF_CPP_MIN_LOG_LEVEL)."""
-    if not active:
-        yield
-        return
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def import_keras(verbose, tensorflow_too=False):
     """Imports Keras (and its backend) once the arguments are valid.
 
@@ -79,7 +52,7 @@ def import_keras(verbose, tensorflow_too=False):
         The `keras` module.
     """
     quiet = _quiet_logs(verbose)
-    with _stderr_silenced(quiet and "keras" not in sys.modules):
+    with fd2_silenced(quiet and "keras" not in sys.modules):
         import keras
 
         if quiet and (keras.backend.backend() == "tensorflow" or (
