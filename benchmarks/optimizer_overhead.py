@@ -12,7 +12,8 @@ of each and their ratio (target: at most 1.03), for
 - `train step`: a whole compiled training step (`fit`, steps_per_execution
   set to the block length so Python runs once per block), and
 - `apply only`: the optimizer's update alone on fixed gradients, compiled
-  (`tf.function` / `jax.jit`), the harshest view of the overhead.
+  (`tf.function` / `jax.jit`; eager on PyTorch), the harshest view of the
+  overhead.
 
 The `CNN+BN` train step includes kerasmp's write-back of the batch-norm
 moving statistics on skipped steps (see docs/monitoring.md); its
@@ -142,7 +143,9 @@ def train_step_runners(build, steps, jit_compile="auto"):
         model.compile(
             make(),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=steps,
+            # Keras runs one step per call on PyTorch (it refuses more).
+            steps_per_execution=(
+                1 if keras.backend.backend() == "torch" else steps),
             jit_compile=jit_compile,
         )
         runners[name] = lambda model=model: model.fit(
@@ -193,6 +196,13 @@ def apply_only_runners(build, steps):
             runners[name] = lambda loop=loop, state=state: (
                 jax.block_until_ready(loop(state))
             )
+        elif backend == "torch":
+            # Eager, as Keras's own PyTorch train step (no jit_compile).
+            def run(opt=opt, variables=variables):
+                for _ in range(steps):
+                    opt.apply(grads, variables)
+
+            runners[name] = run
         else:
             raise SystemExit(f"unsupported backend: {backend}")
     return runners
