@@ -17,7 +17,7 @@ from keras import ops
 from kerasmp import _keras_internals as _ki
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.train_step.logs import ROW_KEY
-from kerasmp.train_step.logs import Steps
+from kerasmp.train_step.logs import HostLoopSteps
 from kerasmp.train_step.logs import add_scale
 from kerasmp.train_step.logs import honest_logs
 from kerasmp.train_step.logs import nonfinite_now
@@ -34,13 +34,8 @@ def restore(old, new, skipped):
     ]
 
 
-class JaxSteps(Steps):
+class JaxSteps(HostLoopSteps):
     """kerasmp's train step of one model on JAX."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.pending = []  # the last execution's records
-        self.batches = []  # the items the iterator yielded, if kept
 
     def train_step(self, state, data):
         model = self.model
@@ -82,15 +77,8 @@ class JaxSteps(Steps):
 
     def _train_function(self):
         """Keras's function for one step, run `steps_per_execution` times
-        by the host-side function: Keras's multi-step loop keeps the last
-        step's logs only."""
-        model = self.model
-        model.steps_per_execution = 1
-        try:
-            type(model).make_train_function(model, force=True)
-        finally:
-            model.steps_per_execution = self.spe
-        single = model.train_function
+        by the host-side function."""
+        single = self.single_step_function()
 
         def train_function(state, iterator):
             return self._run(single, state, iterator)
@@ -111,22 +99,9 @@ class JaxSteps(Steps):
                 if i == 0:
                     raise
                 break
-            logs = step_logs
-            if isinstance(logs, dict) and ROW_KEY in logs:
-                logs = dict(logs)
-                records.append(logs.pop(ROW_KEY))
-        self.pending = records
-        self._rows = None
+            logs = self.take_record(step_logs, records)
+        self.finish(records)
         return logs, state
-
-    def _records(self):
-        return self.pending
-
-    def batch(self, offset=0):
-        if offset >= len(self.batches):
-            return None
-        data = self.batches[len(self.batches) - 1 - offset]
-        return keras.utils.unpack_x_y_sample_weight(data)
 
 
 class _Kept:

@@ -6,7 +6,9 @@ backend: the logs of a step (`loss_scale`, `skipped_steps`, and honest
 metrics on a skipped step), one record per step (`ROW_FIELDS`) and reading
 the records back as Python numbers. Each backend's module
 (`kerasmp.train_step.tensorflow`, `kerasmp.train_step.jax`) subclasses it
-with the step itself, the undo of a skipped step and the train function.
+with the step itself, the undo of a skipped step and the train function;
+`HostLoopSteps` holds what JAX's and PyTorch's, which loop over the steps
+of an execution in Python, share.
 """
 
 import keras
@@ -165,3 +167,52 @@ class Steps:
 
     def batch(self, offset=0):
         raise NotImplementedError
+
+
+class HostLoopSteps(Steps):
+    """`Steps` whose host-side function runs Keras's one-step train
+    function once per step of the execution, in Python (JAX, PyTorch): the
+    records are a list, and the batches the items the steps took.
+
+    A subclass implements `train_step` and `_train_function`, with
+    `single_step_function`, `take_record` and `finish` below.
+    """
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.pending = []  # the last execution's records
+        self.batches = []  # the last execution's batches, if kept
+
+    def single_step_function(self):
+        """Keras's train function for one step (whatever the model's
+        `steps_per_execution`): Keras's multi-step loop keeps the last
+        step's logs only."""
+        model = self.model
+        model.steps_per_execution = 1
+        try:
+            type(model).make_train_function(model, force=True)
+        finally:
+            model.steps_per_execution = self.spe
+        return model.train_function
+
+    @staticmethod
+    def take_record(logs, records):
+        """`logs` without kerasmp's record, which goes to `records`."""
+        if isinstance(logs, dict) and ROW_KEY in logs:
+            logs = dict(logs)
+            records.append(logs.pop(ROW_KEY))
+        return logs
+
+    def finish(self, records):
+        """Keeps the execution's `records` for `rows`."""
+        self.pending = records
+        self._rows = None
+
+    def _records(self):
+        return self.pending
+
+    def batch(self, offset=0):
+        if offset >= len(self.batches):
+            return None
+        data = self.batches[len(self.batches) - 1 - offset]
+        return keras.utils.unpack_x_y_sample_weight(data)

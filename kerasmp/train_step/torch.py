@@ -11,12 +11,11 @@ train function runs Keras's single-step function once per batch of the
 execution instead, keeping every step's record.
 """
 
-import keras
 from keras import ops
 
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.train_step.logs import ROW_KEY
-from kerasmp.train_step.logs import Steps
+from kerasmp.train_step.logs import HostLoopSteps
 from kerasmp.train_step.logs import add_scale
 from kerasmp.train_step.logs import honest_logs
 from kerasmp.train_step.logs import nonfinite_now
@@ -28,13 +27,8 @@ def _value(variable):
     return variable.value
 
 
-class TorchSteps(Steps):
+class TorchSteps(HostLoopSteps):
     """kerasmp's train step of one model on PyTorch."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.pending = []  # the last execution's records
-        self.batches = []  # the batches of the last execution, if kept
 
     def train_step(self, data):
         model = self.model
@@ -68,13 +62,7 @@ class TorchSteps(Steps):
     def _train_function(self):
         """Keras's function for one step, run once per batch of the
         execution by the host-side function."""
-        model = self.model
-        model.steps_per_execution = 1
-        try:
-            type(model).make_train_function(model, force=True)
-        finally:
-            model.steps_per_execution = self.spe
-        single = model.train_function
+        single = self.single_step_function()
 
         def train_function(data):
             return self._run(single, data)
@@ -86,19 +74,6 @@ class TorchSteps(Steps):
         records = []
         logs = None
         for batch in data:
-            logs = single([batch])
-            if isinstance(logs, dict) and ROW_KEY in logs:
-                logs = dict(logs)
-                records.append(logs.pop(ROW_KEY))
-        self.pending = records
-        self._rows = None
+            logs = self.take_record(single([batch]), records)
+        self.finish(records)
         return logs
-
-    def _records(self):
-        return self.pending
-
-    def batch(self, offset=0):
-        if offset >= len(self.batches):
-            return None
-        data = self.batches[len(self.batches) - 1 - offset]
-        return keras.utils.unpack_x_y_sample_weight(data)
