@@ -18,6 +18,8 @@ from kerasmp import _keras_internals as ki
 from kerasmp import float8
 from kerasmp._utils.layers import walk
 
+pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
+
 RULE = float8.Float8Rule(min_kernel_size=256)
 BACKEND = keras.backend.backend()
 
@@ -254,8 +256,6 @@ def test_stock_keras_loads_the_file_with_the_same_float8_layers(tmp_path):
     np.save(tmp_path / "ref.npy", model.predict(x, verbose=0))
     script = f"""
 import numpy as np, keras
-
-pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
 m = keras.models.load_model({path!r})
 assert "kerasmp" not in __import__("sys").modules
 modes = [l.name for l in m.layers if l.quantization_mode == "float8"]
