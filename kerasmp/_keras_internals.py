@@ -125,6 +125,16 @@ def operation_class():
     return keras.Operation
 
 
+def backend_nn_module():
+    """The module whose functions `keras.ops.nn` calls for the active
+    backend (`keras.src.backend.<backend>.nn`), looked up at every call:
+    `ops.dot_product_attention` (which `MultiHeadAttention` and keras-hub's
+    attention layers use) ends in its `dot_product_attention`."""
+    from keras.src import backend as _backend
+
+    return _backend.nn
+
+
 def functional_class():
     """Keras's `Functional` model class (a graph of layers)."""
     from keras.src.models.functional import Functional

@@ -37,6 +37,17 @@ from `kerasmp._keras_internals`:
    `kerasmp.train_step` installs kerasmp's train step, and for a governed
    model under a multi-worker strategy every worker checks that all have
    the same precision settings.
+5. Attention on a CPU (JAX only). `jax.nn.dot_product_attention`, which
+   `keras.ops.dot_product_attention` (and so `MultiHeadAttention` and
+   keras-hub's attention layers) calls on JAX, asks XLA for the
+   `F16_F16_F32` dot algorithm on float16 inputs, which XLA's CPU backend
+   refuses when the call is compiled (`jit`: every `fit`, `predict`):
+   "The precision 'F16_F16_F32' is not supported by dot_general on CPU".
+   Stock Keras fails so under `mixed_float16` on a CPU. On a CPU, kerasmp
+   computes such attention from float32 copies of its float16 inputs
+   (float16 to float32 is exact, so the logits are the float32-accumulated
+   products that algorithm asks for) and returns float16. Other dtypes,
+   devices and backends go to Keras unchanged.
 """
 
 import functools
@@ -176,6 +187,39 @@ def _compile(self, *args, **kwargs):
     return result
 
 
+# ------------------------------------------------- 5. attention on a CPU
+
+
+def _cpu_half_attention(query, key, value, bias=None, mask=None,
+                        scale=None, is_causal=False, flash_attention=None,
+                        attn_logits_soft_cap=None):
+    original = _originals["dot_product_attention"]
+    dtypes = {keras.backend.standardize_dtype(getattr(t, "dtype", "float32"))
+              for t in (query, key, value)}
+    if "float16" not in dtypes or flash_attention or not _on_cpu():
+        return original(query, key, value, bias=bias, mask=mask,
+                        scale=scale, is_causal=is_causal,
+                        flash_attention=flash_attention,
+                        attn_logits_soft_cap=attn_logits_soft_cap)
+    out_dtype = keras.backend.result_type(*dtypes)
+
+    def up(t):
+        return None if t is None else keras.ops.cast(t, "float32")
+
+    outputs = original(up(query), up(key), up(value), bias=up(bias),
+                       mask=mask, scale=scale, is_causal=is_causal,
+                       flash_attention=flash_attention,
+                       attn_logits_soft_cap=attn_logits_soft_cap)
+    return keras.ops.cast(outputs, out_dtype)
+
+
+@functools.cache
+def _on_cpu():
+    import jax
+
+    return jax.devices()[0].platform == "cpu"
+
+
 def _is_stock_loss_scale_optimizer(optimizer):
     return isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer
@@ -213,6 +257,11 @@ def install():
         module.serialize = _serialize
         module.deserialize = _deserialize
     trainer.compile = functools.wraps(_originals["compile"])(_compile)
+    if keras.backend.backend() == "jax":
+        nn = _ki.backend_nn_module()
+        _originals["dot_product_attention"] = nn.dot_product_attention
+        nn.dot_product_attention = functools.wraps(
+            nn.dot_product_attention)(_cpu_half_attention)
 
 
 def uninstall():
@@ -238,6 +287,9 @@ def uninstall():
         module.serialize = _originals["serialize"]
         module.deserialize = _originals["deserialize"]
     _ki.trainer_class().compile = _originals["compile"]
+    if "dot_product_attention" in _originals:
+        _ki.backend_nn_module().dot_product_attention = _originals[
+            "dot_product_attention"]
     _originals.clear()
 
 

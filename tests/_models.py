@@ -113,9 +113,9 @@ def transformer_classifier(seq=8, features=16, dim=32, heads=2, key_dim=16,
 
     dropout > 0 makes MultiHeadAttention use its einsum + Softmax path (the
     Softmax sublayer the kerasmp policy keeps in float32). With dropout=0
-    it calls the fused ops.dot_product_attention instead, which XLA on CPU
-    cannot run in float16 under JAX ("precision F16_F16_F32 is not
-    supported by dot_general on CPU"), in stock Keras too.
+    it calls the fused ops.dot_product_attention instead (which kerasmp
+    makes compile in float16 on JAX on a CPU, where stock Keras fails:
+    tests/policy/test_attention_on_cpu.py).
     """
     inputs = keras.Input((seq, features), name="tokens")
     x = layers.Dense(dim, name="embed")(inputs)

@@ -237,6 +237,23 @@ def _functional():
     return keras.Model(inputs, keras.layers.Dense(2, name="b")(h))
 
 
+def test_backend_nn_module_is_what_ops_attention_calls(monkeypatch):
+    nn = ki.backend_nn_module()
+    seen = []
+
+    def spy(query, key, value, **kwargs):
+        seen.append(kwargs)
+        return query
+
+    monkeypatch.setattr(nn, "dot_product_attention", spy)
+    q = np.ones((1, 2, 1, 2), "float32")
+    keras.ops.dot_product_attention(q, q, q)
+    assert len(seen) == 1, _changed(
+        "where keras.ops.dot_product_attention dispatches "
+        "(keras.src.backend.<backend>.nn.dot_product_attention)"
+    )
+
+
 def test_functional_class_and_run_through_graph():
     model = _functional()
     assert isinstance(model, ki.functional_class()), _changed("Functional")

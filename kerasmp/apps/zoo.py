@@ -76,10 +76,10 @@ class ModelSpec:
         dropout: Attention dropout (transformer only). Above 0, Keras's
             `MultiHeadAttention` takes its explicit einsum + `Softmax` path
             (the softmax computes in float32 under a kerasmp policy); at 0
-            it calls the fused `ops.dot_product_attention`, which on the
-            JAX backend fails for float16 on a CPU ("precision
-            'F16_F16_F32' is not supported by dot_general on CPU") but is
-            the fast path on a GPU.
+            it calls the fused `ops.dot_product_attention`, the fast path
+            on a GPU (on JAX on a CPU, where stock Keras cannot compile it
+            in float16, kerasmp computes it from float32 copies:
+            docs/policies.md).
     """
 
     name: str
