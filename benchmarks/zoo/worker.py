@@ -35,16 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if os.path.dirname(HERE) not in sys.path:  # run as a script
     sys.path.insert(0, os.path.dirname(HERE))
 
-BLOCK_KERASMP = """
-import sys
-class _Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name == "kerasmp" or name.startswith("kerasmp."):
-            raise ImportError("kerasmp is not installed here")
-sys.meta_path.insert(0, _Blocker())
-"""
-"""The lines that make kerasmp unimportable (tests/_helpers.py has the
-same)."""
+from zoo import absent  # noqa: E402
 
 PARITY_SAMPLES = 4
 FIT_BATCH = 2
@@ -544,7 +535,7 @@ def main(argv=None):
     JIT_COMPILE = "auto" if args.jit else False
     RUN_EAGERLY = args.eager
     if args.stage == "plain":
-        exec(BLOCK_KERASMP, {})
+        absent.block()
     import keras
 
     # Several models, one after the other, in one process (the imports

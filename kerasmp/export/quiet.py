@@ -57,8 +57,8 @@ def say(message, category=UserWarning):
     if _depth[0]:
         if (message, category) not in _notes:
             _notes.append((message, category))
-        return
-    warnings.warn(message, category, stacklevel=user_stacklevel())
+    else:
+        warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
 @contextlib.contextmanager
@@ -74,11 +74,7 @@ def collected():
         notes = _notes[start:]
         del _notes[start:]
         for message, category in notes:
-            if _depth[0]:
-                _notes.append((message, category))
-            else:
-                warnings.warn(message, category,
-                              stacklevel=user_stacklevel())
+            say(message, category)  # kept by an outer block, or warned
 
 
 @contextlib.contextmanager
