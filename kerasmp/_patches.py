@@ -30,7 +30,11 @@ from `kerasmp._keras_internals`:
    models get no loss scaling, and `compile(..., auto_scale_loss=False)`
    turns it off as in stock Keras. Before that, once per model, one symbolic
    run finds the layers that fail in half precision and the MoE routers,
-   and moves them to float32 (`kerasmp.policy.measure`). Keras's own
+   and moves them to float32 (`kerasmp.policy.measure`); the outermost
+   call of a model (`Layer.__call__`, above) measures it first if it is
+   called before it is compiled (`model(x)`, or `predict` on TensorFlow
+   and PyTorch; JAX's `predict` calls the model through `stateless_call`
+   with its variables purged, where nothing can be measured). Keras's own
    `keras.optimizers.LossScaleOptimizer` (the TensorFlow guide's) becomes
    kerasmp's, with the same inner optimizer and settings, and a one-time
    warning says so. Then, for every model,
@@ -62,6 +66,7 @@ from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
+from kerasmp.policy.measure import can_measure
 from kerasmp.policy.measure import is_measured
 from kerasmp.policy.measure import mark_measured
 from kerasmp.policy.measure import measure
@@ -113,6 +118,7 @@ def _layer_call(self, *args, **kwargs):
         callers = _calls.callers = []
     if not callers:
         _calls.originals = {}
+        _first_call(self)
     caller = callers[-1] if callers else None
     callers.append(self)
     try:
@@ -128,6 +134,11 @@ def _layer_call(self, *args, **kwargs):
         outputs = _restore_float32(outputs, originals)
         _calls.originals = {}
     return outputs
+
+
+def _first_call(layer):
+    if isinstance(layer, keras.Model) and not is_measured(layer):
+        _measured_plan(layer)  # its first call, when it can be measured
 
 
 # ------------------------------------------------------- 3. saving, loading
@@ -153,15 +164,11 @@ def _from_config(cls, config):
 def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
-    plan = build_plan(self)
+    plan = _measured_plan(self)
     if not plan.governed:
         result = original(self, *args, **kwargs)
         _train_step.install(self)
         return result
-    if not is_measured(self):  # once per model
-        mark_measured(self)
-        if measure(self, plan.policy):
-            plan = build_plan(self)  # layers moved to float32
     assign_layers(self, plan.float8)  # float8 policies: the rule's layers
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
@@ -218,6 +225,20 @@ def _on_cpu():
     import jax
 
     return jax.devices()[0].platform == "cpu"
+
+
+def _measured_plan(model):
+    """`model`'s plan, after its one measurement (`kerasmp.policy.measure`):
+    at its first call or its compile, whichever comes first and finds its
+    symbolic inputs (a Sequential model without an `Input` has them once
+    built)."""
+    if is_measured(model) or not can_measure(model):
+        return build_plan(model)
+    mark_measured(model)
+    plan = build_plan(model)
+    if plan.governed and measure(model, plan.policy):
+        plan = build_plan(model)  # layers moved to float32
+    return plan
 
 
 def _is_stock_loss_scale_optimizer(optimizer):

@@ -41,6 +41,7 @@ from kerasmp.debug.batch import gradients_jax
 from kerasmp.debug.batch import restore
 from kerasmp.debug.batch import snapshot
 from kerasmp.policy import stored_policy
+from kerasmp.policy.measure import suspended
 
 DEFAULT_SCALES = tuple(2.0**k for k in range(25))
 """The candidate scales `gradient_report` tries by default: 2^0 ... 2^24."""
@@ -497,6 +498,14 @@ def gradient_report(model, x, y, scales=None, sample_weight=None, loss=None,
             f"backends only (current: {backend!r})."
         )
 
+    # The model as it is: a first call does not measure it here.
+    with suspended():
+        return _gradient_report(model, x, y, scales, sample_weight, loss,
+                                training, margin)
+
+
+def _gradient_report(model, x, y, scales, sample_weight, loss, training,
+                     margin):
     if not model.built:
         state = snapshot(list(model.variables))
         try:

@@ -31,6 +31,7 @@ from kerasmp.debug.batch import fmt
 from kerasmp.debug.batch import gradients
 from kerasmp.debug.batch import restore
 from kerasmp.debug.batch import snapshot
+from kerasmp.policy.measure import suspended
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -386,14 +387,16 @@ def find_nonfinite(
     )
     try:
         layers = [layer for _, layer in layer_paths(model).values()]
-        with record_calls(layers, record):
-            model(x, **call_kwargs(model, training))
-        restore(state)
-        loss_value = grads = None
-        if y is not None:
-            loss_value, grads = gradients(
-                model, x, y, sample_weight, loss, loss_scale, training
-            )
+        # The model as it is: a first call does not measure it here.
+        with suspended():
+            with record_calls(layers, record):
+                model(x, **call_kwargs(model, training))
+            restore(state)
+            loss_value = grads = None
+            if y is not None:
+                loss_value, grads = gradients(
+                    model, x, y, sample_weight, loss, loss_scale, training
+                )
     finally:
         restore(state)
 

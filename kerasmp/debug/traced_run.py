@@ -30,6 +30,7 @@ from kerasmp.debug.findings import HALF
 from kerasmp.debug.findings import Finding
 from kerasmp.debug.findings import checked_layers
 from kerasmp.debug.findings import dtype_name
+from kerasmp.policy.measure import suspended
 
 TRACED_OPS = ("exp", "log", "softmax", "log_softmax", "logsumexp")
 
@@ -152,7 +153,8 @@ def traced_run(model, x):
     classes = {path: type(layer).__name__ for path, layer in layers}
     events = {}
     try:
-        with _traced(layers, events):
+        # The model as it is: its first call does not measure it here.
+        with _traced(layers, events), suspended():
             outputs = model(x, training=False)
     except Exception as e:  # noqa: BLE001  (the model's own failure)
         first_line = _error_line(e)

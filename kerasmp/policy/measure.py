@@ -1,11 +1,13 @@
 """The float32 rules kerasmp finds by running the model: decided by
-measurement, at `compile`.
+measurement, once per model, at its first call (`model(x)`, `predict`,
+building a larger model on it) or its `compile`, whichever comes first.
 
 A class list or a name cannot say which layers of a model break in half
 precision; one symbolic run of the model in training mode can (nothing is
 computed and no weight changes: `kerasmp._keras_internals.
-trace_symbolically`). `measure(model, policy)`, called by the compile patch
-for a model a half-precision `kerasmp.Policy` governs, applies two rules:
+trace_symbolically`). `measure(model, policy)`, called by kerasmp's patches
+(`kerasmp/_patches.py`) for a model a half-precision `kerasmp.Policy`
+governs, applies two rules:
 
 1. **Layers that fail in half precision.** A layer whose own code mixes
    float16 and float32 tensors in one op (an `add`, a `matmul`), or calls an
@@ -34,6 +36,7 @@ the model's symbolic inputs (a Functional or Sequential model, or any model
 after it was called once); without them nothing is measured.
 """
 
+import contextlib
 import re
 import warnings
 
@@ -56,16 +59,36 @@ PROJECTION_RULE = "MoE router scores ({router})"
 
 _HALF = ("float16", "bfloat16")
 _MEASURED = "_kerasmp_measured"  # in a model's __dict__ once measured
+_running = [0]  # measurements in progress
 
 
 def is_measured(model):
-    """Whether `compile` has measured `model` (it does so once per model)."""
+    """Whether `model` was measured (once per model: at its first call or
+    its compile, whichever comes first)."""
     return _MEASURED in model.__dict__
+
+
+def can_measure(model):
+    """Whether `model` can be measured now: it has the symbolic inputs a
+    measurement runs on (a Functional model, a Sequential one once built),
+    and no measurement is running (whose symbolic run calls models)."""
+    return not _running[0] and _symbolic_inputs(model) is not None
 
 
 def mark_measured(model):
     """Records that `model` is measured; later compiles do not measure."""
     object.__setattr__(model, _MEASURED, True)
+
+
+@contextlib.contextmanager
+def suspended():
+    """No model is measured while the block runs (`kerasmp.check`'s traced
+    run calls the model but must leave it as it was)."""
+    _running[0] += 1
+    try:
+        yield
+    finally:
+        _running[0] -= 1
 
 
 def _symbolic_inputs(model):
@@ -172,6 +195,11 @@ def measure(model, policy, dry_run=False):
     inputs = _symbolic_inputs(model)
     if inputs is None or policy.compute_dtype not in _HALF:
         return []
+    with suspended():  # its symbolic runs call models
+        return _measure(model, policy, inputs, dry_run)
+
+
+def _measure(model, policy, inputs, dry_run):
     layers = list(walk(model))
     before = [(layer, stored_policy(layer)) for _, layer in layers]
     moved = []

@@ -172,6 +172,50 @@ def test_an_op_mixing_float16_with_float32_trains_under_kerasmp(
     assert np.isfinite(history.history["loss"]).all()
 
 
+@keras.saving.register_keras_serializable(package="kerasmp_tests")
+class NoHalfKernel(keras.layers.Layer):
+    """Raises on float16 inputs once the model runs, in inference as in
+    training, as ESM's rotary embedding (TensorFlow's `range` has no
+    float16 kernel) and Moonshine's encoder block (a float32 + float16 add)
+    do at their first `predict`; building the model (`training=None`)
+    works, as it does for them."""
+
+    def call(self, x, training=None):
+        if training is not None and (
+                keras.backend.standardize_dtype(x.dtype) == "float16"):
+            raise TypeError("Range has no float16 kernel")
+        return ops.tanh(x) * 2.0
+
+
+@pytest.mark.parametrize("first", ["predict", "call"])
+def test_a_model_is_measured_at_its_first_call_before_compile(first):
+    if first == "predict" and keras.backend.backend() == "jax":
+        pytest.skip("JAX's predict calls the model through stateless_call, "
+                    "with its variables purged: measured at compile there")
+    x = np.random.default_rng(2).normal(size=(4, 8)).astype("float32")
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    reference = _model(NoHalfKernel(name="no_half"))
+    expected = reference.predict(x, verbose=0)
+
+    kerasmp.set_global_policy("mixed_float16")
+    model = _model(NoHalfKernel(name="no_half"))
+    model.set_weights(reference.get_weights())
+    assert model.get_layer("no_half").compute_dtype == "float16"
+    with pytest.warns(UserWarning, match="'no_half'.*fails in float16"):
+        if first == "predict":
+            got = model.predict(x, verbose=0)
+        else:
+            got = keras.ops.convert_to_numpy(model(x))
+    assert model.get_layer("no_half").compute_dtype == "float32"
+    np.testing.assert_allclose(np.asarray(got, "float32"), expected,
+                               atol=2e-2 * np.ptp(expected))
+    # Measured once: compiling later moves nothing more, warns nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.compile("adam", "mse")
+
+
 def _near_ties(seed=0, n=256):
     """Inputs whose gate scores for the second and third experts differ by
     0.01 per unit of input near 39: float16 (spacing 1/32 there) rounds the
