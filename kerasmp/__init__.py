@@ -17,9 +17,8 @@ import importlib.abc
 import importlib.util
 import sys
 
-# Light (standard library only), and imported here so that `kerasmp.doctor`
-# stays the function even after the `kerasmp.doctor` module is imported.
-from kerasmp.doctor import doctor
+# Light (standard library only): `kerasmp.doctor()` needs no framework.
+from kerasmp.apps.doctor import doctor
 
 __version__ = "0.1.0"
 

@@ -7,10 +7,13 @@
   benchmark share (standard library only),
 - `demo.py`: `kerasmp demo`, float32 vs mixed precision on the 8x8 digits,
 - `bench.py`: `kerasmp bench`, steps/s and memory per policy,
+- `doctor.py`: `kerasmp doctor` and `kerasmp.doctor()`, versions, devices
+  and the policy to use on this machine,
 - `zoo.py`: the models the demo and the benchmark train.
 
 They use the library (`kerasmp.policy`, `kerasmp.optimizer`,
-`kerasmp.callbacks`, `kerasmp.export`, `kerasmp.doctor`, ...) as a user
-would; nothing in the library imports them. This package's `__init__`
-imports nothing.
+`kerasmp.callbacks`, `kerasmp.export`, ...) as a user would; nothing in
+the library imports them (`kerasmp/__init__` re-exports `doctor`, which
+imports only `kerasmp._utils.devices`). This package's `__init__` imports
+nothing. `python -m kerasmp.apps.cli` runs the command as `kerasmp` does.
 """

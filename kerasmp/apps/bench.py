@@ -477,7 +477,7 @@ def _kerasmp_version():
 
 def _advice(result):
     """doctor's advice, resting on this benchmark's own measurements."""
-    from kerasmp.doctor import doctor
+    from kerasmp.apps.doctor import doctor
 
     report = doctor(bench=result)
     return {"recommended_policy": report.recommended_policy,

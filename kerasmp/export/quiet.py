@@ -62,32 +62,36 @@ def say(message, category=UserWarning):
 
 
 @contextlib.contextmanager
-def collected():
-    """Keeps `say`'s messages until the block ends, then warns each once
-    (also when the block raises: what was said still holds)."""
+def _kept(into):
+    """Holds `say`'s messages while the block runs, then moves them to the
+    list `into`."""
     _depth[0] += 1
     start = len(_notes)
     try:
         yield
     finally:
         _depth[0] -= 1
-        notes = _notes[start:]
+        into.extend(_notes[start:])
         del _notes[start:]
+
+
+@contextlib.contextmanager
+def collected():
+    """Keeps `say`'s messages until the block ends, then warns each once
+    (also when the block raises: what was said still holds)."""
+    notes = []
+    try:
+        with _kept(notes):
+            yield
+    finally:
         for message, category in notes:
             say(message, category)  # kept by an outer block, or warned
 
 
-@contextlib.contextmanager
 def discarded():
     """Forgets what `say` is told while the block runs (the float32
     baseline's writer repeats what the artifact's writer said)."""
-    _depth[0] += 1
-    start = len(_notes)
-    try:
-        yield
-    finally:
-        _depth[0] -= 1
-        del _notes[start:]
+    return _kept([])
 
 
 @contextlib.contextmanager

@@ -102,7 +102,7 @@ def test_quick_json_has_a_row_per_model_and_policy(tmp_path, capsys):
     # The advice rests on this run's own measurements (issue 19: doctor
     # recommended float32 "as the fastest" while bench measured bfloat16
     # faster), and the printed reason has no doubled brackets.
-    from kerasmp.doctor import from_bench
+    from kerasmp.apps.doctor import from_bench
 
     expected, reason = from_bench(result)
     assert result["advice"]["recommended_policy"] == expected

@@ -1,6 +1,6 @@
 """The `kerasmp` command as a user runs it: a subprocess of this Python.
 
-Each command runs `python -m kerasmp` with the tested package first on
+Each command runs `python -m kerasmp.apps.cli` with the tested package first on
 PYTHONPATH (the worktree in development, the editable install in CI). Most
 cases are user errors, which must be found before Keras/TensorFlow/JAX is
 imported: a small driver reports which heavy modules the command imported,
@@ -32,14 +32,15 @@ ROOT = Path(kerasmp.__file__).resolve().parents[1]
 HEAVY = ("keras", "tensorflow", "jax")
 C_LOG = re.compile(r"^(?:[IWEF]\d{4} |WARNING: All log messages)", re.M)
 
-# Runs the command like `python -m kerasmp ARGS`, then reports on stderr
-# which heavy modules it imported.
+# Runs the command like `python -m kerasmp.apps.cli ARGS`, then reports on
+# stderr which heavy modules it imported.
 DRIVER = (
     "import atexit, runpy, sys\n"
     "atexit.register(lambda: print('HEAVY=' + ','.join(sorted(m for m in "
     f"{HEAVY!r} if m in sys.modules)), file=sys.stderr))\n"
     "sys.argv = ['kerasmp'] + sys.argv[1:]\n"
-    "runpy.run_module('kerasmp', run_name='__main__', alter_sys=True)\n"
+    "runpy.run_module('kerasmp.apps.cli', run_name='__main__',\n"
+    "                 alter_sys=True)\n"
 )
 
 
@@ -51,7 +52,7 @@ def run_kerasmp(*args, cwd=None, env=None, timeout=300, driver=True):
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), full_env.get("PYTHONPATH")) if p)
     command = ([sys.executable, "-c", DRIVER] if driver
-               else [sys.executable, "-m", "kerasmp"])
+               else [sys.executable, "-m", "kerasmp.apps.cli"])
     proc = subprocess.run(
         command + [str(a) for a in args], cwd=cwd, env=full_env,
         capture_output=True, text=True, timeout=timeout)
@@ -146,8 +147,7 @@ def test_import_kerasmp_is_lazy_and_keeps_its_api():
         "assert not {'keras', 'tensorflow', 'jax'} & set(sys.modules), "
         "sorted(sys.modules)\n"
         "assert set(kerasmp.__all__) <= set(dir(kerasmp))\n"
-        "import kerasmp.doctor\n"
-        "assert callable(kerasmp.doctor)  # the function, not the module\n"
+        "assert callable(kerasmp.doctor)  # the function\n"
         "import keras\n"
         "# Loading needs kerasmp's classes registered: a bare import does.\n"
         "for name in ('kerasmp>Policy', 'kerasmp>LossScaleOptimizer',\n"
@@ -392,8 +392,9 @@ def test_no_tensorflow_start_up_lines_on_jax(tmp_path):
     env = subprocess_env("jax")
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as a user's shell has it
     proc = subprocess.run(
-        [sys.executable, "-m", "kerasmp", "export", str(tmp_path / "m.keras"),
-         str(tmp_path / "h.keras"), "--format", "keras"],
+        [sys.executable, "-m", "kerasmp.apps.cli", "export",
+         str(tmp_path / "m.keras"), str(tmp_path / "h.keras"),
+         "--format", "keras"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

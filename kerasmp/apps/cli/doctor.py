@@ -36,7 +36,7 @@ def _read_bench(path):
 def run(args):
     bench = None if args.bench is None else _read_bench(args.bench)
     import_keras(args.verbose)
-    from kerasmp.doctor import main
+    from kerasmp.apps.doctor import main
 
     return main(as_json=args.json, bench=bench)
 

@@ -14,7 +14,7 @@ import os
 import platform
 import sys
 
-from kerasmp._utils.devices import Device  # noqa: F401  (kerasmp.doctor.Device)
+from kerasmp._utils.devices import Device  # noqa: F401  (a doctor's Device)
 from kerasmp._utils.devices import cpu_flags
 from kerasmp._utils.devices import visible_devices
 

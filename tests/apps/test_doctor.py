@@ -6,8 +6,8 @@ import json
 import pytest
 
 from kerasmp.apps.cli import main
-from kerasmp.doctor import Device
-from kerasmp.doctor import recommend
+from kerasmp.apps.doctor import Device
+from kerasmp.apps.doctor import recommend
 
 
 @pytest.mark.parametrize(
