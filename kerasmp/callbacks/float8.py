@@ -41,7 +41,7 @@ import keras
 
 from kerasmp import _keras_internals as _ki
 from kerasmp._utils.arrays import to_numpy
-from kerasmp.callbacks.shared import warn
+from kerasmp._utils.warn import warn
 from kerasmp.float8 import jax_fit_state as _jax_fit_state
 from kerasmp.float8 import probe as _float8_probe
 from kerasmp.float8 import telemetry as _tm

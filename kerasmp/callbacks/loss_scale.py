@@ -17,8 +17,8 @@ import numpy as np
 
 from kerasmp import _keras_internals as _ki
 from kerasmp import train_step as _train_step
+from kerasmp._utils.warn import warn
 from kerasmp.callbacks.shared import needs_kerasmp_optimizer
-from kerasmp.callbacks.shared import warn
 from kerasmp.debug.gradients import gradient_report
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from kerasmp import _keras_internals as _ki
 from kerasmp import train_step as _train_step
 from kerasmp._utils.arrays import to_numpy
+from kerasmp._utils.warn import warn
 from kerasmp.callbacks.nonfinite_events import Rules
 from kerasmp.callbacks.nonfinite_events import State
 from kerasmp.callbacks.nonfinite_events import after_scale_reset
@@ -39,7 +40,6 @@ from kerasmp.callbacks.nonfinite_fallback import first_nonfinite_weight
 from kerasmp.callbacks.nonfinite_fallback import locate
 from kerasmp.callbacks.nonfinite_fallback import reset_loss_scale
 from kerasmp.callbacks.shared import needs_kerasmp_optimizer
-from kerasmp.callbacks.shared import warn
 from kerasmp.errors import NonFiniteError
 from kerasmp.errors import NonFiniteWarning
 

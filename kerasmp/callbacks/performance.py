@@ -19,7 +19,7 @@ import keras
 
 from kerasmp._utils.devices import jax_memory_stats
 from kerasmp._utils.devices import tf_first_gpu
-from kerasmp.callbacks.shared import warn
+from kerasmp._utils.warn import warn
 
 MIB = 2**20
 

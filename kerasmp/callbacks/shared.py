@@ -1,36 +1,12 @@
-"""What kerasmp's monitors share: a warning that points at the user's `fit`
-call (`warn`), and the message for a model that kerasmp's optimizer does not
-train (`needs_kerasmp_optimizer`).
+"""What kerasmp's monitors share: the message for a model that kerasmp's
+optimizer does not train (`needs_kerasmp_optimizer`). Their warnings go
+through `kerasmp._utils.warn`.
 """
-
-import inspect
-import warnings
 
 import keras
 
 from kerasmp import train_step as _train_step
 from kerasmp.optimizer import LossScaleOptimizer
-
-
-def user_stacklevel():
-    """The `stacklevel` that points a warning at the first frame outside
-    Keras and kerasmp (the user's `fit` call), not at Keras's callback
-    list."""
-    frame = inspect.currentframe().f_back  # the caller of warnings.warn
-    level = 1
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.split(".")[0] not in ("keras", "kerasmp"):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 1
-
-
-def warn(message, category=UserWarning):
-    """Issues `message` as a warning of `category`, located at the user's
-    code (see `user_stacklevel`)."""
-    warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
 def needs_kerasmp_optimizer(monitor, optimizer):

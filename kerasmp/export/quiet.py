@@ -17,38 +17,19 @@ sentence each, pointing at the user's call.
 """
 
 import contextlib
-import inspect
 import logging
-import os
 import sys
 import warnings
 
 from kerasmp._utils.stderr import fd2_silenced
+from kerasmp._utils.warn import user_stacklevel
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The loggers the converters write to (Python `logging`).
 _LOGGERS = ("tensorflow", "absl", "jax", "jax._src", "torch", "torch.onnx",
             "torch.export", "torch._dynamo", "torch.fx", "onnxscript",
             "onnx_ir", "tf2onnx", "litert_torch", "h5py")
 _notes = []
 _depth = [0]
-
-
-def user_stacklevel():
-    """The `stacklevel` that makes `warnings.warn`, called in the function
-    that calls this one, point at the first frame outside kerasmp (and
-    `contextlib`, whose `with` machinery runs `collected`'s exit)."""
-    frame = inspect.currentframe().f_back
-    level = 1
-    while frame is not None and _internal(frame.f_code.co_filename):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
-def _internal(filename):
-    return (filename.startswith(_PACKAGE + os.sep)
-            or filename == contextlib.__file__)
 
 
 def say(message, category=UserWarning):

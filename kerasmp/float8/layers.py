@@ -16,6 +16,7 @@ import keras
 
 from kerasmp import _keras_internals as _ki
 from kerasmp._utils.layers import walk
+from kerasmp._utils.warn import user_stacklevel
 from kerasmp.float8.policies import POLICY_CLASSES
 from kerasmp.float8.policies import Float8Assignment
 from kerasmp.float8.policies import Float8Fallback
@@ -155,7 +156,7 @@ def assign_layers(model, decisions=None):
             "built, so they stay out of float8. Build the model (an Input, "
             "or model.build(shape)), then call "
             "kerasmp.float8.assign_layers(model) and compile again.",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     for d in decisions:
         stored = _ki.stored_dtype_policy(d.layer)

@@ -46,6 +46,7 @@ from kerasmp import _keras_internals as _ki
 from kerasmp._utils.instrument import running_layers
 from kerasmp._utils.instrument import watching_ops
 from kerasmp._utils.layers import walk
+from kerasmp._utils.warn import user_stacklevel
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import stored_policy
@@ -202,6 +203,37 @@ def measure(model, policy, dry_run=False):
 def _measure(model, policy, inputs, dry_run):
     layers = list(walk(model))
     before = [(layer, stored_policy(layer)) for _, layer in layers]
+    moved, stuck = _moves(model, policy, inputs, layers, dry_run)
+    sized = _sized(inputs)
+    if stuck and sized is not None:
+        # A layer that traces only with known sizes (Python control flow
+        # on a shape, keras-hub's Qwen3.5 GatedDeltaNet), in float32 too:
+        # once more with every unknown size known, as in `fit`.
+        moved += _moves(model, policy, sized, layers, dry_run)[0]
+    if dry_run:
+        for layer, policy in before:
+            if stored_policy(layer) is not policy:
+                layer.dtype_policy = policy
+    return moved
+
+
+def _sized(inputs):
+    """`inputs` with every unknown size set (2 for the batch, 8 for the
+    others, as `kerasmp.check`'s sample batch), or None when all are
+    known."""
+    flat = keras.tree.flatten(inputs)
+    if all(None not in tuple(t.shape) for t in flat):
+        return None
+    return keras.tree.map_structure(
+        lambda t: keras.KerasTensor(
+            tuple((2 if i == 0 else 8) if d is None else d
+                  for i, d in enumerate(t.shape)),
+            dtype=t.dtype, name=t.name), inputs)
+
+
+def _moves(model, policy, inputs, layers, dry_run):
+    """The runs and moves of one measurement on `inputs`: `(moved,
+    stuck)`, `stuck` when a layer failed that float32 does not cure."""
     moved = []
     routers, failure = _run(model, inputs, layers)
     for _ in range(MAX_MOVES):
@@ -214,10 +246,10 @@ def _measure(model, policy, inputs, dry_run):
             path, layer, error = failure
             if layer is None or _governing(layer, policy) is None or (
                     layer.compute_dtype not in _HALF):
-                break  # not a layer kerasmp can move: fit reports it
+                return moved, True  # not a layer kerasmp can move
             cured = _cure(model, inputs, layers, failure, policy)
             if cured is None:
-                break
+                return moved, True
             now_moved, (routers, failure) = cured
             moved += now_moved
             if dry_run:
@@ -227,15 +259,11 @@ def _measure(model, policy, inputs, dry_run):
                 f"{policy.compute_dtype} ({_first_line(error)}); it computes "
                 "in float32"
                 + (" with its sublayers." if len(now_moved) > 1 else "."),
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             continue
         routers, failure = _run(model, inputs, layers)
-    if dry_run:
-        for layer, policy in before:
-            if stored_policy(layer) is not policy:
-                layer.dtype_policy = policy
-    return moved
+    return moved, False
 
 
 def _routers(routers, policy):

@@ -13,6 +13,7 @@ import warnings
 
 import keras
 
+from kerasmp._utils.warn import user_stacklevel
 from kerasmp.errors import StockOptimizerWarning
 from kerasmp.errors import StockPolicyWarning
 
@@ -56,7 +57,7 @@ def warn_if_stock_mixed_policy(model):
         f"that line to kerasmp.set_global_policy({name!r}), before building "
         "the model. (This warning is shown once.)",
         StockPolicyWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -74,5 +75,5 @@ def say_stock_optimizer_replaced():
         "are undone. Pass kerasmp.LossScaleOptimizer(...) to compile to "
         "avoid this message. (This warning is shown once.)",
         StockOptimizerWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )

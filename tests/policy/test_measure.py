@@ -172,6 +172,44 @@ def test_an_op_mixing_float16_with_float32_trains_under_kerasmp(
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.tensorflow
+def test_a_layer_that_traces_only_with_known_sizes_does_not_hide_the_rest(
+        mixed_policy):
+    """keras-hub's Qwen3.5-MoE: its GatedDeltaNet branches in Python on a
+    size, which a symbolic run with an unknown batch size cannot do (in
+    float32 too), so the float16 x float32 multiply of the MoE block
+    behind it went unfound and `fit` failed; measured again with the sizes
+    known, as `fit` traces, the block is found and moved."""
+    import tensorflow as tf
+
+    class NeedsKnownSizes(keras.layers.Layer):
+        def call(self, x):
+            if ops.shape(x)[1] > 0:  # a Python bool of the length
+                return x * 2.0
+            return x
+
+        def compute_output_shape(self, shape):  # so the model builds
+            return shape
+
+    class MixesDtypes(keras.layers.Layer):
+        def call(self, x, training=None):
+            if training:  # a raw TensorFlow op: no dtype promotion
+                return tf.multiply(x, tf.constant(np.float32(0.5)))
+            return x
+
+    inputs = keras.Input((None, 8))  # the length is known in fit only
+    h = NeedsKnownSizes(name="sized")(keras.layers.Dense(8)(inputs))
+    model = keras.Model(
+        inputs, keras.layers.Dense(2)(MixesDtypes(name="mixes")(h)))
+    with pytest.warns(UserWarning, match="'mixes'.*fails in float16"):
+        model.compile("adam", "mse")
+    assert model.get_layer("mixes").compute_dtype == "float32"
+    assert model.get_layer("sized").compute_dtype == "float16"
+    x = np.random.default_rng(3).normal(size=(16, 3, 8)).astype("float32")
+    history = model.fit(x, np.zeros((16, 3, 2)), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
 @keras.saving.register_keras_serializable(package="kerasmp_tests")
 class NoHalfKernel(keras.layers.Layer):
     """Raises on float16 inputs once the model runs, in inference as in
