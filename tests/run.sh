@@ -4,8 +4,9 @@
 # tests marked `torch` under PyTorch (the train step, optimizer, policy,
 # monitors, diagnostics, export and the docs' `backend: any` blocks: the
 # PyTorch backend is newer, and a PyTorch step on a CPU is several times
-# slower, so it gets a representative subset; `jit=True` cases are skipped
-# there, tests/conftest.py), each on two pytest-xdist workers (see below).
+# slower, so it gets a representative subset; `jit=True` cases run there
+# only in the tests marked `torch_jit`, tests/conftest.py: torch.compile
+# takes 15-40 s a toy model), each on two pytest-xdist workers (see below).
 # Extra arguments go to every pytest run. Every run always happens; the
 # script fails if any failed (exit status 1, after naming the failed
 # backends). A PyTorch-less environment skips the third run, saying so.

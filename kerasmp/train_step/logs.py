@@ -115,6 +115,10 @@ class Steps:
     def __init__(self, model):
         self.model = model
         self.original = model.__dict__.get("train_step")  # a user override
+        # Keras's step, resolved here: inside `torch.compile` the class
+        # attribute read back through the model finds kerasmp's own
+        # instance attribute (the step then called itself).
+        self._class_step = type(model).train_step
         self.keep_batch = False
         self.spe = 1
         self._rows = None
@@ -142,7 +146,10 @@ class Steps:
         """The step kerasmp wraps: the user's override, else Keras's."""
         if self.original is not None:
             return self.original
-        return type(self.model).train_step.__get__(self.model)
+        return self._keras_step
+
+    def _keras_step(self, data):
+        return self._class_step(self.model, data)
 
     def count_index(self, watched):
         """Where the loss tracker's count is in `watched`, or None."""

@@ -66,6 +66,7 @@ def _fit(jit, spe, callbacks):
     return history.history, weights
 
 
+@pytest.mark.torch_jit  # torch.compile: kerasmp's step called itself there
 @pytest.mark.parametrize("spe", [1, 3])
 @pytest.mark.parametrize("jit", [False, True])
 def test_logs_do_not_depend_on_the_monitors(jit, spe, mixed_policy):
