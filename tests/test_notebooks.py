@@ -92,3 +92,10 @@ def test_export_notebook_runs(tmp_path):
     assert "all checks passed" in _outputs_text(notebook)
     assert (tmp_path / "digits_fp16_savedmodel" / "saved_model.pb").exists()
     assert (tmp_path / "digits_fp16.keras").exists()
+
+
+def test_the_guide_lists_every_notebook():
+    """docs/guide.md's table of notebooks named 3 of the 4."""
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        assert f"(../notebooks/{path.name})" in guide, path.name

@@ -90,6 +90,10 @@ def _reason(layer, global_now):
         # parent's policy, or loaded from a file: the policy is kerasmp's,
         # whoever set it.
         return f"kerasmp policy {stored.name} (not the global policy now)"
+    if getattr(stored, "name", "").startswith("mixed_"):
+        # Keras's own mixed policy (`keras.mixed_precision`), global when
+        # the layer was built or saved with it: `kerasmp check` warns.
+        return f"stock Keras policy {stored.name} (no float32 rules)"
     return "explicit dtype"
 
 
@@ -111,8 +115,9 @@ def dtype_report(model):
         "user rule (name~'head')"); "float32 by NonFiniteMonitor fallback";
         "kerasmp policy <name> (not the global policy now)" for a layer
         built under another kerasmp policy (`policy_scope`, a parent's
-        policy, a loaded file); or "explicit dtype". `print()` it for a
-        table.
+        policy, a loaded file); "stock Keras policy <name> (no float32
+        rules)" for a layer under Keras's own mixed policy; or "explicit
+        dtype". `print()` it for a table.
 
     Example:
 

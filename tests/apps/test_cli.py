@@ -206,6 +206,9 @@ def _user_error_cases(d):
         (["export", m, out, "--sample", d / "notes.txt"], "--sample"),
         (["export", m, out, "--sample", d / "objects.npy"], "--sample"),
         (["export", m, out, "--sample", d / "none.npy"], "--sample"),
+        # A .keras is a zip as an .npz is: named for what a sample is.
+        (["export", m, out, "--sample", m], "a sample is a .npy file"),
+        (["check", m, "--sample", m], "a sample is a .npy file"),
         (["export", m, d / "o.tflite", "--format", "tflite", "--dtype",
           "bfloat16"], "--dtype"),
         (["bench", "--quick", "--json", d / "no_dir" / "x.json"],

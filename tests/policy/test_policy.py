@@ -361,6 +361,25 @@ def test_compile_wraps_unbuilt_subclassed_model(mixed_policy):
     assert type(_compile(Net())) is LossScaleOptimizer
 
 
+def test_dtype_report_names_a_stock_mixed_policy_read_from_a_file(tmp_path):
+    """`kerasmp inspect` of a file saved under Keras's own mixed_float16
+    labelled every layer "explicit dtype", while `check` said
+    stock_policy."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+            3, name="hidden"), keras.layers.Dense(2, name="pinned",
+                                                  dtype="float32")])
+        model.save(tmp_path / "stock.keras")
+    finally:
+        keras.config.set_dtype_policy("float32")
+    loaded = keras.saving.load_model(tmp_path / "stock.keras")
+    rows = {r.path: r.reason for r in kerasmp.dtype_report(loaded)}
+    assert rows["hidden"] == (
+        "stock Keras policy mixed_float16 (no float32 rules)")
+    assert rows["pinned"] == "global policy"  # float32, as the global now
+
+
 def test_dtype_report_rows_and_reasons(mixed_policy):
     inputs = keras.Input((4,))
     x = keras.layers.Dense(3, name="hidden")(inputs)

@@ -275,6 +275,14 @@ def load_sample(path):
                          "file (object arrays are refused)") from None
     if isinstance(data, np.ndarray):
         return data
+    others = [n for n in data.zip.namelist() if not n.endswith(".npy")]
+    if others:  # a zip, but not of arrays: a .keras model, say
+        data.close()
+        raise UsageError(
+            f"--sample {path!r} is a zip of {', '.join(others[:3])}"
+            + (", ..." if len(others) > 3 else "")
+            + ", not of arrays: a sample is a .npy file (one input) or a "
+            ".npz file (one array per input, `numpy.savez`)")
     try:
         keys = list(data.keys())
         if not keys:
