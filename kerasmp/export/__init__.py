@@ -454,8 +454,9 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
                                               DEFAULT_NUM_SAMPLES)
         model32, _ = convert(model, "float32")
         reference = predict(model32, arrays)
-        artifact, baseline_model, kept, left = _artifact(
-            source, model, model32, dtype, keep_float32, arrays)
+        with converters(verbose):  # Keras's serializer may import TF
+            artifact, baseline_model, kept, left = _artifact(
+                source, model, model32, dtype, keep_float32, arrays)
         with Staging(path) as stage:
             staged = os.path.join(stage.dir, stage.name)
             baseline = os.path.join(stage.dir, "float32-" + stage.name)

@@ -109,3 +109,27 @@ def test_kerasmp_warnings_come_once_at_the_call(tmp_path, capfd):
     noise = [line for line in err.splitlines()
              if line.startswith(("I0000", "W0000", "INFO:"))]
     assert noise == [], err[-2000:]
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="TensorFlow's start-up lines "
+                    "come from Keras's serializer importing it on JAX")
+def test_a_keras_export_on_jax_prints_nothing(tmp_path):
+    """A fresh process: Keras's serializer imports TensorFlow lazily during
+    the `.keras` export, whose C++ start-up lines reached the user."""
+    import subprocess
+    import sys
+
+    script = (
+        "import keras, kerasmp\n"
+        "kerasmp.set_global_policy('mixed_float16')\n"
+        "m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), "
+        "keras.layers.Softmax()])\n"
+        f"kerasmp.export.export(m, {str(tmp_path / 'm.keras')!r}, "
+        "format='keras')\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as a user's shell has it
+    proc = subprocess.run([sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == "", proc.stderr
