@@ -166,7 +166,12 @@ def host_cost_per_step(model, x, y, batch_size, repeats=2000):
     }
     start = time.perf_counter()
     for i in range(repeats):
-        steps._take(dict(step_logs))
+        if hasattr(steps, "_take"):  # TensorFlow's train function
+            steps._take(dict(step_logs))
+        else:  # JAX's and PyTorch's host loop
+            records = []
+            steps.take_record(dict(step_logs), records)
+            steps.finish(records)
         for cb in (lsm, nfm):
             cb.on_train_batch_begin(i)
             cb.on_train_batch_end(i, logs)

@@ -106,6 +106,7 @@ SPECS = {s.name: s for s in (
         packages=("tensorflow", "ai_edge_litert"), extra="tflite",
         io_dtypes=IO_DTYPES,
         torch_packages=("litert_torch", "ai_edge_litert"),
+        torch_extra="tflite-torch",
     ),
     FormatSpec(
         name="onnx", suffix=".onnx", backends=("tensorflow", "torch"),
