@@ -148,8 +148,8 @@ class Steps:
             return self.original
         return self._keras_step
 
-    def _keras_step(self, data):
-        return self._class_step(self.model, data)
+    def _keras_step(self, *args):  # (data), or (state, data) on JAX
+        return self._class_step(self.model, *args)
 
     def count_index(self, watched):
         """Where the loss tracker's count is in `watched`, or None."""

@@ -331,3 +331,36 @@ def test_only_variables_the_step_assigns_are_written_back(
     # The metric variables come after the model's (TensorFlow).
     restored = [[i for i in r if i < len(paths)] for r in restored]
     assert restored and all(r == want for r in restored), (restored, paths)
+
+
+@pytest.mark.torch
+def test_a_skipped_step_changes_no_variable_but_the_scale(mixed_policy):
+    """Weights, optimizer slots and iterations, batch-norm statistics, the
+    dropout seed state: all as before the skipped step; the metrics hold
+    only the applied steps (here none: their reset values)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8, name="d1"),
+        keras.layers.BatchNormalization(), keras.layers.Dropout(0.5, seed=1),
+        keras.layers.Dense(1, name="d2"),
+    ])
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(1e-3),
+                                   initial_scale=2**8)
+    model.compile(optimizer, "mse", metrics=["mae"])
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, verbose=0)  # slots exist, moved
+    assert optimizer.skipped_steps == 0
+    # All but the scale rule's own state (the scale and its counters).
+    tracked = model.variables + optimizer.inner_optimizer.variables
+    assert any("seed_generator" in v.path for v in tracked), [
+        v.path for v in tracked]
+    before = {v.path: np.array(ops.convert_to_numpy(v)) for v in tracked}
+    # Targets of 1e6: every float16 gradient overflows at any scale.
+    logs = model.fit(x, np.full((8, 1), 1e6, "float32"), batch_size=8,
+                     verbose=0).history
+    assert optimizer.skipped_steps == 1 and logs["skipped_steps"] == [1]
+    changed = [v.path for v in tracked if not np.array_equal(
+        np.array(ops.convert_to_numpy(v)), before[v.path])]
+    assert changed == [], changed
+    for v in model.metrics_variables:  # reset at the epoch's start
+        assert not np.any(ops.convert_to_numpy(v)), v.path
