@@ -86,7 +86,7 @@ def test_cli_default_export_passes_on_demo_model(tmp_path):
     model.save(src)
     for fmt, name in (("keras", "m16.keras"), ("savedmodel", "sm")):
         proc = subprocess.run(
-            [sys.executable, "-m", "kerasmp", "export", str(src),
+            [sys.executable, "-m", "kerasmp.apps.cli", "export", str(src),
              str(tmp_path / name), "--format", fmt, "--json"],
             capture_output=True, text=True, timeout=300,
             env=subprocess_env("tensorflow"))
