@@ -137,8 +137,11 @@ def _layer_call(self, *args, **kwargs):
 
 
 def _first_call(layer):
-    if isinstance(layer, keras.Model) and not is_measured(layer):
-        _measured_plan(layer)  # its first call, when it can be measured
+    # Only a model that can be measured is planned here: a subclassed one
+    # (no symbolic inputs, ever) costs one failed attribute read a call.
+    if (isinstance(layer, keras.Model) and not is_measured(layer)
+            and can_measure(layer)):
+        _measured_plan(layer)  # its first call that can measure it
 
 
 # ------------------------------------------------------- 3. saving, loading
