@@ -137,11 +137,10 @@ def _layer_call(self, *args, **kwargs):
 
 
 def _first_call(layer):
-    # Only a model that can be measured is planned here: a subclassed one
-    # (no symbolic inputs, ever) costs one failed attribute read a call.
-    if (isinstance(layer, keras.Model) and not is_measured(layer)
-            and can_measure(layer)):
-        _measured_plan(layer)  # its first call that can measure it
+    # A subclassed model (no symbolic inputs, ever) costs one failed
+    # attribute read a call here.
+    if isinstance(layer, keras.Model):
+        _measure_once(layer)
 
 
 # ------------------------------------------------------- 3. saving, loading
@@ -167,7 +166,8 @@ def _from_config(cls, config):
 def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
-    plan = _measured_plan(self)
+    _measure_once(self)
+    plan = build_plan(self)
     if not plan.governed:
         result = original(self, *args, **kwargs)
         _train_step.install(self)
@@ -230,18 +230,16 @@ def _on_cpu():
     return jax.devices()[0].platform == "cpu"
 
 
-def _measured_plan(model):
-    """`model`'s plan, after its one measurement (`kerasmp.policy.measure`):
-    at its first call or its compile, whichever comes first and finds its
-    symbolic inputs (a Sequential model without an `Input` has them once
-    built)."""
+def _measure_once(model):
+    """Measures `model` (`kerasmp.policy.measure`) if a half-precision
+    kerasmp policy governs it, once: at its first call or its compile,
+    whichever comes first and finds its symbolic inputs."""
     if is_measured(model) or not can_measure(model):
-        return build_plan(model)
+        return
     mark_measured(model)
     plan = build_plan(model)
-    if plan.governed and measure(model, plan.policy):
-        plan = build_plan(model)  # layers moved to float32
-    return plan
+    if plan.governed:
+        measure(model, plan.policy)
 
 
 def _is_stock_loss_scale_optimizer(optimizer):
