@@ -130,16 +130,42 @@ def write_onnx(model, path, specs, dtype, io_dtype, example=None):
     if keras.backend.backend() == "torch":
         _write_onnx_torch(model, path, specs, io_dtype, example)
         return
-    import tf2onnx
-
-    _, serve, signature = serving_module(model, specs, io_dtype)
+    _, serve, _ = serving_module(model, specs, io_dtype)
     _ki.patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
-    proto, _ = tf2onnx.convert.from_function(
-        serve, input_signature=signature, opset=17
-    )
-    proto = _half_initializers(_erfc_to_erf(proto))
+    proto = _half_initializers(_erfc_to_erf(_from_function(serve, 17)))
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
+
+
+def _from_function(serve, opset):
+    """The ONNX graph of the `tf.function` `serve` (its input signature
+    traced), whose inputs are the signature's alone.
+
+    `tf2onnx.convert.from_function` makes every non-resource input of the
+    concrete function a graph input, constants the function captures
+    included: keras-hub Gemma scales its embeddings by
+    `ops.cast(ops.sqrt(hidden_dim), x.dtype)`, a float16 tensor built with
+    the functional model and captured by the trace, and onnxruntime then
+    asks for it in every feed ("Required inputs (['.../Mul/y:0']) are
+    missing"). Freezing turns the captures into constants; only the
+    signature's placeholders are named as inputs here.
+    """
+    import tensorflow as tf
+    import tf2onnx
+
+    concrete = serve.get_concrete_function()
+    captured = {inner.name for _, inner in concrete.graph.captures}
+    inputs = [t.name for t in concrete.inputs
+              if t.dtype != tf.resource and t.name not in captured]
+    outputs = [t.name for t in concrete.outputs if t.dtype != tf.resource]
+    renames = tf2onnx.convert.tensor_names_from_structed(
+        concrete, inputs, outputs)
+    with tf.device("/cpu:0"):
+        frozen = tf2onnx.tf_loader.from_function(concrete, inputs, outputs)
+        proto, _ = tf2onnx.convert.from_graph_def(
+            frozen, name=concrete.name, input_names=inputs,
+            output_names=outputs, opset=opset, tensors_to_rename=renames)
+    return proto
 
 
 def _write_onnx_torch(model, path, specs, io_dtype, example):

@@ -6,6 +6,7 @@ convert the same serving function.
 
 import os
 import re
+import shutil
 
 import keras
 import numpy as np
@@ -13,6 +14,10 @@ import numpy as np
 from kerasmp._utils.arrays import is_float
 from kerasmp.export.inputs import batched
 from kerasmp.export.inputs import pack
+from kerasmp.export.inputs import predict
+from kerasmp.export.inputs import static_specs
+from kerasmp.export.parity import parity
+from kerasmp.export.quiet import say
 
 
 def _signature(specs, io_dtype):
@@ -58,10 +63,15 @@ def serving_module(model, specs, io_dtype="float32"):
     return module, serve, signature
 
 
-def jax_archive(model, specs, io_dtype):
+def jax_archive(model, specs, io_dtype, shapes=None, constraints=()):
     """A `keras.export.ExportArchive` serving `model` from JAX: the route
     stock `model.export(format="tf_saved_model")` takes (jax2tf), with the
-    same signature as `serving_module`."""
+    same signature as `serving_module`.
+
+    `shapes` (one jax2tf shape string per input, `jax_shapes`) and
+    `constraints` (jax2tf's `polymorphic_constraints`) replace Keras's
+    default, which gives every unknown dimension after the batch its own
+    symbol."""
     signature = _signature(specs, io_dtype)
 
     def to_io(y):
@@ -76,8 +86,216 @@ def jax_archive(model, specs, io_dtype):
 
     archive = keras.export.ExportArchive()
     archive.track(_without_seeds(model))
-    archive.add_endpoint("serve", serve, input_signature=signature)
+    options = {}
+    if shapes is not None:
+        # Serving takes no gradient: without one, the SavedModel writer
+        # traces none (it fails to, under constraints).
+        options["jax2tf_kwargs"] = {"polymorphic_shapes": list(shapes),
+                                    "polymorphic_constraints":
+                                        tuple(constraints),
+                                    "with_gradient": False}
+    archive.add_endpoint("serve", serve, input_signature=signature,
+                         **options)
     return archive
+
+
+MAX_CONSTRAINTS = 8
+"""Constraints `write_jax_savedmodel` adds before it fixes the lengths."""
+
+_INCONCLUSIVE = re.compile(
+    r"comparison '([^']+)' (<=|<|>=|>|==|!=) '([^']+)' is inconclusive")
+
+
+def jax_shapes(specs, example):
+    """`(shapes, sizes)`: one jax2tf shape string per input, the batch
+    `"batch"` and each unknown dimension after it a symbol that the
+    dimensions of the same size in `example` share (token ids and their
+    padding mask: one length), and `{symbol: its size in example}`."""
+    symbols, shapes = {}, []
+    for (_, shape, _), a in zip(specs, example):
+        dims = []
+        for i, d in enumerate(shape):
+            if d is not None:
+                dims.append(str(d))
+            elif i == 0:
+                dims.append("batch")
+            else:
+                dims.append(symbols.setdefault(int(a.shape[i]),
+                                               f"d{len(symbols)}"))
+        shapes.append("(" + ", ".join(dims) + ")")
+    sizes = {symbol: size for size, symbol in symbols.items()}
+    sizes["batch"] = int(example[0].shape[0]) if example else 1
+    return shapes, sizes
+
+
+def constraint_for(error, sizes):
+    """The jax2tf constraint that settles the comparison `error` (an
+    `InconclusiveDimensionOperation`) found undecidable, the way `sizes`
+    (the parity inputs') decide it; None when it compares other than one
+    symbol with a number, or tests (in)equality.
+
+    `"'d0' <= '5'"` from keras-hub's `PositionEmbedding` (a slice of its
+    table as long as the input) with a length of 5 in `sizes` gives
+    `"d0 <= 5"`: the file then serves every length up to 5 and refuses a
+    longer one when called (jax2tf checks constraints at run time).
+    """
+    m = _INCONCLUSIVE.search(str(error))
+    if m is None:
+        return None
+    left, op, right = m.groups()
+    flip = {"<=": ">=", "<": ">", ">=": "<=", ">": "<"}
+    if left.lstrip("-").isdigit() and right in sizes:
+        left, op, right = right, flip.get(op, op), left
+    if left not in sizes or not right.lstrip("-").isdigit() or op not in flip:
+        return None
+    n = int(right)
+    holds = {"<=": sizes[left] <= n, "<": sizes[left] < n,
+             ">=": sizes[left] >= n, ">": sizes[left] > n}[op]
+    # The set of lengths on which the comparison goes as on the sample.
+    at_most = {("<=", True): n, ("<", True): n - 1,
+               (">=", False): n - 1, (">", False): n}
+    at_least = {("<=", False): n + 1, ("<", False): n,
+                (">=", True): n, (">", True): n + 1}
+    if (op, holds) in at_most:
+        return f"{left} <= {at_most[op, holds]}"
+    return f"{left} >= {at_least[op, holds]}"
+
+
+def write_jax_savedmodel(model, path, specs, io_dtype, example=None):
+    """Writes the jax2tf SavedModel of `model` with the freest input shapes
+    that jax2tf traces and that compute what the model does.
+
+    1. The batch and every unknown length free, the lengths of equal size
+       in `example` (the parity inputs) one symbol (`jax_shapes`): Keras's
+       default gives each its own, and keras-hub's attention then fails to
+       broadcast the padding mask's length against the tokens'.
+    2. Where the model's code compares a length with a number that jax2tf
+       cannot decide for every length (keras-hub's position embeddings
+       slice a table of `max_sequence_length` rows), that comparison as a
+       constraint, decided as on `example` (`constraint_for`); up to
+       `MAX_CONSTRAINTS` of them, said in one warning.
+    3. The file is run on 4 parity inputs against the model: jax2tf
+       decides `length == n` as False for a free length, so Python code
+       that branches on it traces the other branch without an error.
+    4. Where 1-3 fail: the lengths fixed to `example`'s, the batch free,
+       with a warning naming the shapes and why.
+    """
+    if example is None:
+        jax_archive(model, specs, io_dtype).write_out(path, verbose=False)
+        return
+    name = getattr(model, "name", "model")
+    shapes, sizes = jax_shapes(specs, example)
+    constraints = []
+
+    def free():
+        while True:
+            try:
+                _write(jax_archive(model, specs, io_dtype, shapes,
+                                   constraints), path)
+                return
+            except Exception as e:  # jax2tf's shape errors, of any type
+                constraint = constraint_for(e, sizes)
+                if (constraint is None or constraint in constraints
+                        or len(constraints) >= MAX_CONSTRAINTS):
+                    raise
+                constraints.append(constraint)
+
+    failure = _checked(free, model, path, specs, example)
+    if failure is None:
+        if constraints:
+            lengths = _named_lengths(specs, shapes)
+            said = "; ".join(_readable(c, lengths) for c in constraints)
+            say(f"kerasmp.export: the SavedModel of {name!r} from JAX "
+                f"takes {said} (the model's code branches on these sizes; "
+                "a call outside them is refused with a shape error).")
+        return
+    fixed = static_specs(specs, example)
+    if fixed is not None:
+        again = _checked(
+            lambda: _write(jax_archive(model, fixed, io_dtype), path),
+            model, path, fixed, example)
+        if not isinstance(again, Exception):
+            # Written and run (what it computes, the export's parity says).
+            why = (_line(failure) if isinstance(failure, Exception)
+                   else failure)
+            shown = ", ".join(f"{n}: {tuple(s)}" for n, s, _ in fixed)
+            say(f"kerasmp.export: the SavedModel of {name!r} from JAX takes "
+                f"inputs of fixed length ({shown}; the batch may vary): "
+                f"with free lengths {why}. Pass `sample=` inputs of the "
+                "length you serve.")
+            return
+        failure = again
+    if not isinstance(failure, Exception):
+        return  # nothing to fix: the export's parity report says it
+    raise ValueError(
+        f"format='savedmodel' cannot write {name!r} from JAX (jax2tf): "
+        f"{_line(failure)}; export it with KERAS_BACKEND=tensorflow, or "
+        "to 'keras'.") from failure
+
+
+def _write(archive, path):
+    shutil.rmtree(path, ignore_errors=True)
+    archive.write_out(path, verbose=False)
+
+
+def _checked(write, model, path, specs, example):
+    """Runs `write()`, then the written file on 4 parity inputs: None when
+    it computes what `model` does, else what went wrong (the exception, or
+    a sentence from `_differs`)."""
+    try:
+        write()
+        return _differs(model, path, specs, example)
+    except Exception as e:  # tracing, writing or running the file
+        return e
+
+
+def _differs(model, path, specs, example):
+    """None when the SavedModel at `path` computes what `model` does on the
+    first 4 parity inputs (max |diff| / range within 0.1, as the TFLite
+    route checks), else what it computes."""
+    rows = [a[:4] for a in example]
+    outs, _, _ = run_savedmodel(path, rows, specs)
+    p = parity(predict(model, rows), outs)
+    if p["rel_diff"] <= 0.1:
+        return None
+    return (f"jax2tf traces a program that computes something else (max "
+            f"|diff| / range {p['rel_diff']:.3g} on {len(rows[0])} inputs)")
+
+
+def _named_lengths(specs, shapes):
+    """`{symbol: "dimension 1 of token_ids and padding_mask"}` from
+    `jax_shapes`' strings."""
+    where = {}
+    for (name, _, _), shape in zip(specs, shapes):
+        for i, dim in enumerate(shape.strip("()").split(", ")):
+            if dim == "batch":
+                where.setdefault(dim, {})
+            elif not dim.isdigit():
+                where.setdefault(dim, {}).setdefault(i, []).append(name)
+    out = {}
+    for symbol, dims in where.items():
+        if symbol == "batch":
+            out[symbol] = "the batch"
+            continue
+        out[symbol] = " and ".join(
+            f"dimension {i} of {', '.join(names)}" for i, names in
+            dims.items())
+    return out
+
+
+def _readable(constraint, lengths):
+    symbol, op, n = constraint.split(" ")
+    words = {"<=": "up to", ">=": "from"}[op]
+    return f"{lengths.get(symbol, symbol)} {words} {n}"
+
+
+def _line(e):
+    """One line of what `e` says: an MLIR diagnostic's `error: ...` where
+    there is one (TensorFlow's `XlaCallModule` failing to read what jax2tf
+    wrote hides it behind a graph-execution preamble)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", " ".join(str(e).split()))
+    m = re.search(r":\d+: error: (.+)", text)
+    return f"{type(e).__name__}: {(m.group(1) if m else text)[:160]}"
 
 
 def _without_seeds(model):
@@ -115,7 +333,7 @@ def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):
     import tensorflow as tf
 
     if keras.backend.backend() == "jax":
-        jax_archive(model, specs, io_dtype).write_out(path, verbose=False)
+        write_jax_savedmodel(model, path, specs, io_dtype, example)
         return
     module, serve, _ = serving_module(model, specs, io_dtype)
     tf.saved_model.save(

@@ -32,6 +32,7 @@ from kerasmp.export.half import HalfModel
 from kerasmp.export.inputs import PREDICT_BATCH
 from kerasmp.export.inputs import batched
 from kerasmp.export.inputs import predict
+from kerasmp.export.inputs import static_specs
 from kerasmp.export.parity import parity
 from kerasmp.export.quiet import say
 from kerasmp.export.savedmodel import jax_archive
@@ -118,21 +119,6 @@ def describe(error, model, format_hint):
     return (f"format='tflite' cannot write {model.name!r} with builtin "
             f"TFLite ops only: {ops} would need Flex ops, which the plain "
             f"LiteRT interpreter cannot run; {format_hint}")
-
-
-def static_specs(specs, example):
-    """`specs` with each unknown dimension after the batch fixed to the
-    matching dimension of `example` (the parity inputs), or None when no
-    dimension is unknown or `example` is missing."""
-    if example is None:
-        return None
-    out, changed = [], False
-    for (name, shape, dtype), a in zip(specs, example):
-        fixed = tuple(a.shape[i] if d is None and i > 0 else d
-                      for i, d in enumerate(shape))
-        changed |= fixed != tuple(shape)
-        out.append((name, fixed, dtype))
-    return out if changed else None
 
 
 def convert(make_converter, model, specs, example, format_hint,
