@@ -24,6 +24,8 @@ Usage:
     python benchmarks/zoo_census.py [--backends tensorflow jax]
         [--models BertBackbone VGG16 ...] [--timeout 600] [--fast]
         [--no-warmup] [--eager] [--batch 8] [--subset fast] [--nice 10]
+    python benchmarks/zoo_census.py --only-export [--backends ...]
+        [--models ...]     # the export column added to the JSON's rows
     python benchmarks/zoo_census.py --list        # the rows, and why not
     python benchmarks/zoo_census.py --report      # tables from the JSON
 
@@ -196,14 +198,19 @@ def _last_progress(log_path):
     return last
 
 
-def census_rows(zoos, backend, timeout, export, warmup, eager, keep):
-    """Both stages of several models on one backend: `{name: row}`."""
+def census_rows(zoos, backend, timeout, export, warmup, eager, keep,
+                only_export=False):
+    """Both stages of several models on one backend: `{name: row}`.
+
+    With `only_export` the stages run the float32 build and forward pass,
+    then kerasmp's build and export column (`worker.py --only-export`)."""
     base = tempfile.mkdtemp(prefix=f"zoo_{backend}_")
     folders = {z.name: os.path.join(base, z.name) for z in zoos}
     for folder in folders.values():
         os.makedirs(folder)
     names = [z.name for z in zoos]
-    flags = ["--eager"] if eager else []
+    flags = (["--eager"] if eager else []) + (
+        ["--only-export"] if only_export else [])
     start = time.time()
     plain = run_stage("plain", names, backend, folders, timeout, flags,
                       log_path=os.path.join(base, "batch"))
@@ -244,14 +251,59 @@ def census_rows(zoos, backend, timeout, export, warmup, eager, keep):
     return rows
 
 
-def progress_line(i, total, backend, name, row):
+def export_only(data, names, models, backend, args, command):
+    """The export column of `names`, added to their rows in `data` (each
+    row's other columns kept, the run recorded under `export_runs`)."""
+    data.setdefault("export_runs", []).append(
+        {"command": command, "date": datetime.date.today().isoformat(),
+         "machine": machine(), "versions": versions(), "rows": names})
+    start = time.time()
+    done = 0
+    for first in range(0, len(names), args.batch):
+        batch = names[first:first + args.batch]
+        rows = census_rows([models[n] for n in batch], backend, args.timeout,
+                           export=True, warmup=False, eager=args.eager,
+                           keep=args.keep, only_export=True)
+        for name in batch:
+            done += 1
+            row = data["rows"][name]
+            kerasmp = row.setdefault("kerasmp", {})
+            new = rows[name]["kerasmp"]
+            if "export" in new:
+                kerasmp["export"] = new["export"]
+            else:  # no build, a crash or a time-out: "-" with the reason
+                kerasmp["export"] = {"not_run": _export_failure(rows[name])}
+            print(progress_line(done, len(names), backend, name, row,
+                                seconds=rows[name].get("kerasmp_seconds", 0)
+                                + rows[name].get("plain_seconds", 0)),
+                  flush=True)
+        data["export_runs"][-1]["seconds"] = round(time.time() - start, 1)
+        data["counts"] = report.counts(data["rows"])
+        write(backend, data)
+
+
+def _export_failure(row):
+    """Why a row's export-only run wrote no export column."""
+    for policy in ("float32", "kerasmp"):
+        run = row.get(policy) or {}
+        for key in ("timeout", "crash"):
+            if key in run:
+                return f"{policy} {key}: {run[key]}"
+        build = run.get("build") or {}
+        if build and not build.get("ok"):
+            return f"{policy} build: {build.get('error', '')}"
+    return "no export column"
+
+
+def progress_line(i, total, backend, name, row, seconds=None):
     x = report.row_summary(name, row)
     parts = []
     for policy in report.POLICIES:
         word, _ = x[policy]
         parts.append(f"{policy} {word}")
     par = report._fmt(x["parity_kerasmp"])
-    seconds = row.get("plain_seconds", 0) + row.get("kerasmp_seconds", 0)
+    if seconds is None:
+        seconds = row.get("plain_seconds", 0) + row.get("kerasmp_seconds", 0)
     exports = " ".join(f"{f}:{x['exports'][f][0]}" for f in report.FORMATS
                        if x["exports"][f][0] != "-")
     return (f"[{i}/{total}] {backend} {name}: " + ", ".join(parts)
@@ -326,6 +378,10 @@ def main(argv=None):
                         help="seconds per model and stage (default 600)")
     parser.add_argument("--fast", action="store_true",
                         help="skip the export column")
+    parser.add_argument("--only-export", action="store_true",
+                        help="run the export column alone and add it to "
+                             "the rows already in the JSON (their other "
+                             "columns kept)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the loss-scale warm-up column")
     parser.add_argument("--eager", action="store_true",
@@ -381,9 +437,20 @@ def main(argv=None):
         parser.error(f"unknown models {unknown}; see --list")
     command = "python benchmarks/zoo_census.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
+    if args.only_export and args.fast:
+        parser.error("--only-export and --fast: one runs the export "
+                     "column alone, the other skips it")
     for backend in args.backends:
-        data = load(backend) if args.models or args.subset else None
+        data = load(backend) if (args.models or args.subset
+                                 or args.only_export) else None
         data = data or {"rows": {}}
+        if args.only_export:
+            missing = [n for n in names if n not in data["rows"]]
+            if missing:
+                parser.error(f"--only-export adds a column to rows the "
+                             f"{backend} JSON has; it lacks {missing}")
+            export_only(data, names, models, backend, args, command)
+            continue
         data.setdefault("commands", []).append(command)
         data.update({
             "backend": backend,

@@ -194,3 +194,43 @@ def test_warmup_counts():
     assert counts["warmup_auto_better"] == ["m2", "m3"]
     assert "| m3 | tf | 10 | - | 2 | 3 |" in report.warmup_rows(
         {"tensorflow": {"rows": rows}})
+
+
+def test_export_verdicts():
+    def cell(**kw):
+        return {"kerasmp": {"export": {"ok": True, "keras": kw}}}
+
+    def word(**kw):
+        return report.export_verdict(cell(**kw)["kerasmp"], "keras")[0]
+
+    assert word(written=True, reloaded=True, rel_diff=1e-3) == "ok"
+    assert word(written=True, reloaded=True, rel_diff=0.5) == "parity"
+    assert word(written=True, reloaded=False) == "reload"
+    # kerasmp's own sentence is a refusal ...
+    assert word(written=False, error="ValueError: format='onnx' cannot "
+                "be written from the JAX backend", raised_in="kerasmp"
+                ) == "refused"
+    assert word(written=False, error="NotExpressible: layer 'x' ...",
+                raised_in="kerasmp") == "refused"
+    assert word(written=False, error="ParityError: 0.5 > 0.02",
+                raised_in="kerasmp") == "parity"
+    # ... a ValueError from a runtime or a converter is a crash.
+    assert word(written=False, error="ValueError: Required inputs "
+                "(['Mul/y:0']) are missing", raised_in="other") == "crash"
+    assert word(written=False, error="KeyError: 'x'",
+                raised_in="kerasmp") == "crash"
+    # A row whose export-only run built nothing: no verdict, its reason kept.
+    row = {"kerasmp": {"export": {"not_run": "kerasmp build: TypeError"}}}
+    assert report.export_verdict(row["kerasmp"], "keras") == ("-", None)
+
+
+def test_describe_says_which_package_raised():
+    def raise_here():
+        raise ValueError("no")
+
+    try:
+        raise_here()
+    except ValueError as e:
+        described = worker.describe(e)
+    assert described["error"] == "ValueError: no"
+    assert described["raised_in"] == "other"  # this test file

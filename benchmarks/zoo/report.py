@@ -58,8 +58,9 @@ def parity(run):
 
 def export_verdict(run, fmt):
     """`(word, rel_diff)`: "ok" (written, reloaded without kerasmp, parity
-    within `PARITY_BOUND`), "parity", "reload", "refused" (kerasmp said
-    no, a ValueError naming the layer) or "crash"; "-" when not run."""
+    within `PARITY_BOUND`), "parity" (also kerasmp's `ParityError`),
+    "reload", "refused" (kerasmp said no: a ValueError raised by kerasmp,
+    naming the layer or the format) or "crash"; "-" when not run."""
     cell = ((run or {}).get("export") or {})
     if not cell.get("ok", False) and "error" in cell:
         return "crash", None
@@ -68,9 +69,14 @@ def export_verdict(run, fmt):
         return "-", None
     if not cell.get("written"):
         error = cell.get("error", "")
-        return ("refused" if error.startswith(("ValueError", "TypeError",
-                                               "NeedsFlexOps"))
-                else "crash"), None
+        if error.startswith("ParityError"):
+            return "parity", None
+        refusal = error.startswith(("ValueError", "TypeError",
+                                    "NeedsFlexOps", "NotExpressible"))
+        # A refusal is kerasmp's own sentence; a ValueError from a
+        # converter or a runtime is a crash.
+        return ("refused" if refusal and cell.get("raised_in", "kerasmp")
+                == "kerasmp" else "crash"), None
     if not cell.get("reloaded"):
         return "reload", None
     value = cell.get("rel_diff")

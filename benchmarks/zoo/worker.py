@@ -4,7 +4,7 @@
         VGG16 --dirs /tmp/zoo/BertBackbone /tmp/zoo/VGG16
     python benchmarks/zoo/worker.py --stage kerasmp --models BertBackbone \
         VGG16 --dirs /tmp/zoo/BertBackbone /tmp/zoo/VGG16 [--no-export]
-        [--no-warmup] [--eager] [--jit]
+        [--no-warmup] [--only-export] [--eager] [--jit]
 
 - `plain` runs where kerasmp cannot be imported (as on a machine without
   it): builds the model in float32 with seed 0 and writes its weights, the
@@ -56,8 +56,9 @@ step of a tiny model costs ~5x its three steps run eagerly on CPU."""
 
 
 def describe(exc):
-    """`{"error", "where"}`: the exception, and the deepest frame of its
-    traceback inside keras-hub (else kerasmp, else Keras)."""
+    """`{"error", "where", "raised_in"}`: the exception, the deepest frame
+    of its traceback inside keras-hub (else kerasmp, else Keras), and the
+    package whose code raised it ("other": a converter, a runtime)."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = ""
     for package in ("keras_hub", "kerasmp", "keras"):
@@ -68,8 +69,12 @@ def describe(exc):
             where = f"{path}:{f.lineno} in {f.name}"
             break
     message = " ".join(str(exc).split())
+    raised_in = next((package for package in ("keras_hub", "kerasmp",
+                                              "keras")
+                      if frames and f"/{package}/" in frames[-1].filename),
+                     "other")
     return {"error": f"{type(exc).__name__}: {message[:400]}",
-            "where": where}
+            "where": where, "raised_in": raised_in}
 
 
 def _timed(result, key, fn, *args, **kwargs):
@@ -281,8 +286,10 @@ def _load_inputs(path):
     return d["__single__"] if list(d) == ["__single__"] else d
 
 
-def stage_plain(zoo, folder):
-    """float32 and stock mixed_float16 (kerasmp unimportable here)."""
+def stage_plain(zoo, folder, only_export=False):
+    """float32 and stock mixed_float16 (kerasmp unimportable here); with
+    `only_export`, the float32 build and forward pass alone (the weights
+    and outputs the export column starts from)."""
     import keras
     import numpy as np
 
@@ -304,6 +311,8 @@ def stage_plain(zoo, folder):
                                                        sets["parity"])))
     if fwd["ok"]:
         np.save(os.path.join(folder, "reference.npy"), _LAST["y"])
+    if only_export:
+        return result
     _timed(f32, "fit", fit, train, *sets["fit"])
 
     stock = result["stock"]
@@ -339,8 +348,9 @@ def _keep(pair):
     return out
 
 
-def stage_kerasmp(zoo, folder, export=True, warmup=True):
-    """The kerasmp columns, from the plain stage's weights."""
+def stage_kerasmp(zoo, folder, export=True, warmup=True, only_export=False):
+    """The kerasmp columns, from the plain stage's weights; with
+    `only_export`, the build and the export column alone."""
     import keras
     import numpy as np
 
@@ -362,6 +372,10 @@ def stage_kerasmp(zoo, folder, export=True, warmup=True):
         if not built["ok"]:
             return result
         features, train = _LAST["models"]
+        if only_export:
+            _timed(out, "export", export_all, features, sets["parity"],
+                   reference, folder)
+            return result
         _timed(out, "forward",
                lambda: forward(features, sets["parity"], reference)[0])
         _timed(out, "norms",
@@ -524,6 +538,9 @@ def main(argv=None):
                         help="one folder per model, in order")
     parser.add_argument("--no-export", action="store_true")
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--only-export", action="store_true",
+                        help="the export column alone (float32 build and "
+                             "forward, then kerasmp's build and export)")
     parser.add_argument("--eager", action="store_true",
                         help="fit with run_eagerly=True")
     parser.add_argument("--jit", action="store_true",
@@ -547,10 +564,11 @@ def main(argv=None):
         os.makedirs(folder, exist_ok=True)
         zoo = zoo_model(name)
         if args.stage == "plain":
-            result = stage_plain(zoo, folder)
+            result = stage_plain(zoo, folder, only_export=args.only_export)
         else:
             result = stage_kerasmp(zoo, folder, export=not args.no_export,
-                                   warmup=not args.no_warmup)
+                                   warmup=not args.no_warmup,
+                                   only_export=args.only_export)
         result["model"] = name
         print("RESULT " + json.dumps(result), flush=True)
 
