@@ -3,18 +3,20 @@ measurement, once per model, at its first call (`model(x)`, `predict`,
 building a larger model on it) or its `compile`, whichever comes first.
 
 A class list or a name cannot say which layers of a model break in half
-precision; one symbolic run of the model in training mode can (nothing is
+precision; a symbolic run of the model in training mode can (nothing is
 computed and no weight changes: `kerasmp._keras_internals.
-trace_symbolically`). `measure(model, policy)`, called by kerasmp's patches
-(`kerasmp/_patches.py`) for a model a half-precision `kerasmp.Policy`
-governs, applies two rules:
+trace_symbolically`), on its own inputs and, where a size is unknown, once
+more with every size known, as `fit` and `predict` trace.
+`measure(model, policy)`, called by kerasmp's patches (`kerasmp/_patches.py`)
+for a model a half-precision `kerasmp.Policy` governs, applies two rules:
 
 1. **Layers that fail in half precision.** A layer whose own code mixes
    float16 and float32 tensors in one op (an `add`, a `matmul`), or calls an
-   op that has no half-precision kernel (TensorFlow's `range` with a float16
-   dtype), fails at the first call of `fit`, under stock Keras's
-   `mixed_float16` too (keras-hub's SAM prompt encoder, Moonshine's encoder
-   block, ESM's rotary embedding, the Qwen3-MoE router's auxiliary loss). The
+   op that has no half-precision form (TensorFlow's `range` with a float16
+   dtype and a known length), fails at the first call of `fit`, under stock
+   Keras's `mixed_float16` too (keras-hub's SAM prompt encoder, Moonshine's
+   encoder block, ESM's rotary embedding, the Qwen3-MoE router's auxiliary
+   loss, RoFormerV2's and D-FINE's position embeddings). The
    innermost layer whose `call` raises is moved to float32 (or, when that is
    not enough, the layer with its sublayers), with a one-line warning naming
    it, and the run goes on (at most `MAX_MOVES` times). A failure that
@@ -59,6 +61,7 @@ ROUTER_RULE = "MoE router (calls top_k)"
 PROJECTION_RULE = "MoE router scores ({router})"
 
 _HALF = ("float16", "bfloat16")
+_DT = {"HALF": "float16", "BFLOAT16": "bfloat16"}  # TensorFlow's DT_ names
 _MEASURED = "_kerasmp_measured"  # in a model's __dict__ once measured
 _running = [0]  # measurements in progress
 
@@ -151,6 +154,13 @@ def _first_line(error):
     lines = [t.strip() for t in text if t.strip() and not t.startswith(
         "Exception encountered when calling")]
     line = lines[0] if lines else type(error).__name__
+    # TensorFlow names the graph node: say the op and the dtype instead.
+    node = re.search(r"Unsupported dtype\d+ for '\{\{node [^}]*\}\} = "
+                     r"(\w+)\[\w+=DT_(\w+)", line)
+    if node:
+        line = (f"TensorFlow's {node.group(1)} op takes no "
+                f"{_DT.get(node.group(2), node.group(2).lower())} with a "
+                "known size")
     return line if len(line) <= 100 else line[:97].rsplit(" ", 1)[0] + " ..."
 
 
@@ -203,13 +213,17 @@ def measure(model, policy, dry_run=False):
 def _measure(model, policy, inputs, dry_run):
     layers = list(walk(model))
     before = [(layer, stored_policy(layer)) for _, layer in layers]
-    moved, stuck = _moves(model, policy, inputs, layers, dry_run)
+    moved = _moves(model, policy, inputs, layers, dry_run)
     sized = _sized(inputs)
-    if stuck and sized is not None:
-        # A layer that traces only with known sizes (Python control flow
-        # on a shape, keras-hub's Qwen3.5 GatedDeltaNet), in float32 too:
-        # once more with every unknown size known, as in `fit`.
-        moved += _moves(model, policy, sized, layers, dry_run)[0]
+    if sized is not None:
+        # Once more with every unknown size known, as `fit` and `predict`
+        # trace: TensorFlow folds a known length into constants and then
+        # refuses a float16 `range` ("Unsupported dtype19", keras-hub's
+        # RoFormerV2 and D-FINE) that a free length let through, and a layer
+        # that traces only with known sizes (Python control flow on a shape,
+        # Qwen3.5's GatedDeltaNet, in float32 too) ends the first run
+        # before the layers behind it.
+        moved += _moves(model, policy, sized, layers, dry_run)
     if dry_run:
         for layer, policy in before:
             if stored_policy(layer) is not policy:
@@ -232,8 +246,8 @@ def _sized(inputs):
 
 
 def _moves(model, policy, inputs, layers, dry_run):
-    """The runs and moves of one measurement on `inputs`: `(moved,
-    stuck)`, `stuck` when a layer failed that float32 does not cure."""
+    """The runs and moves of one measurement on `inputs`: `[(path, rule)]`
+    of the layers moved. A failure that float32 does not cure ends it."""
     moved = []
     routers, failure = _run(model, inputs, layers)
     for _ in range(MAX_MOVES):
@@ -246,10 +260,10 @@ def _moves(model, policy, inputs, layers, dry_run):
             path, layer, error = failure
             if layer is None or _governing(layer, policy) is None or (
                     layer.compute_dtype not in _HALF):
-                return moved, True  # not a layer kerasmp can move
+                return moved  # not a layer kerasmp can move
             cured = _cure(model, inputs, layers, failure, policy)
             if cured is None:
-                return moved, True
+                return moved
             now_moved, (routers, failure) = cured
             moved += now_moved
             if dry_run:
@@ -263,7 +277,7 @@ def _moves(model, policy, inputs, layers, dry_run):
             )
             continue
         routers, failure = _run(model, inputs, layers)
-    return moved, False
+    return moved
 
 
 def _routers(routers, policy):

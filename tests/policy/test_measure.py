@@ -210,6 +210,42 @@ def test_a_layer_that_traces_only_with_known_sizes_does_not_hide_the_rest(
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.tensorflow
+def test_a_float16_range_of_known_length_moves_to_float32(mixed_policy):
+    """keras-hub's RoFormerV2 and D-FINE: `ops.arange(0, length,
+    dtype=x.dtype)` with float16 `x`. TensorFlow builds it with a free
+    length, but `predict` and `fit` know the length, fold it into
+    constants and refuse the op ("Unsupported dtype19 ... Range"), under
+    stock `mixed_float16` too. The measurement runs once more with the
+    sizes known, as they trace, finds the layer and moves it; the model
+    then computes as in float32."""
+
+    class Positions(keras.layers.Layer):
+        def call(self, x):
+            length = ops.shape(x)[1]
+            position = ops.arange(0, length, dtype=x.dtype)
+            return x + ops.sin(position)[None, :, None]
+
+    def build():
+        inputs = keras.Input((None, 4))  # the length: known in fit only
+        h = Positions(name="positions")(keras.layers.Dense(4)(inputs))
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    model = build()
+    with pytest.warns(UserWarning, match=(
+            "'positions'.*TensorFlow's Range op takes no float16")):
+        model.compile("adam", "mse")
+    assert model.get_layer("positions").compute_dtype == "float32"
+    x = np.random.default_rng(0).normal(size=(8, 6, 4)).astype("float32")
+    y = model.predict(x, verbose=0)
+    twin = _float32_twin(model, build)
+    want = keras.ops.convert_to_numpy(twin(x))
+    assert np.max(np.abs(y - want)) / np.ptp(want) < 2e-2
+    kerasmp.set_global_policy("mixed_float16")
+    history = model.fit(x, np.zeros((8, 6, 2)), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
 @keras.saving.register_keras_serializable(package="kerasmp_tests")
 class NoHalfKernel(keras.layers.Layer):
     """Raises on float16 inputs once the model runs, in inference as in
