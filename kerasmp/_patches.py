@@ -20,7 +20,11 @@ from `kerasmp._keras_internals`:
    in the caller's compute dtype (`kerasmp.policy.handoff_dtype`,
    `hand_back`): a float32 softmax or norm to a float16 model, a float16
    sublayer to a float32 block; the outputs of the outermost call stay the
-   float32 values computed.
+   float32 values computed. A call on KerasTensors (a model being built)
+   that raises in half precision moves the innermost layer whose call
+   raised to float32 and calls again, with a warning naming it
+   (`measure.move_failed_at_build`); if float32 fails too, the layer is
+   put back and the first error raised.
 3. Saving and loading. `dtype_policies.serialize` / `deserialize` and
    `Operation.from_config` go through `kerasmp.policy.saving`.
 4. Compile. `Trainer.compile` decides loss scaling: when a model has layers
@@ -70,6 +74,7 @@ from kerasmp.policy.measure import can_measure
 from kerasmp.policy.measure import is_measured
 from kerasmp.policy.measure import mark_measured
 from kerasmp.policy.measure import measure
+from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan as build_plan
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import hand_back
@@ -121,10 +126,17 @@ def _layer_call(self, *args, **kwargs):
         _first_call(self)
     caller = callers[-1] if callers else None
     callers.append(self)
+    moved = None
     try:
         outputs = _originals["__call__"](self, *args, **kwargs)
+    except Exception as error:
+        moved = _moved_at_build(self, error, args, kwargs)
+        if moved is None:
+            raise
     finally:
         callers.pop()
+    if moved is not None:
+        return _call_again(self, moved, args, kwargs)
     originals = _calls.originals
     if caller is not None:
         target = handoff_dtype(self, caller)
@@ -133,6 +145,46 @@ def _layer_call(self, *args, **kwargs):
     elif originals:
         outputs = _restore_float32(outputs, originals)
         _calls.originals = {}
+    return outputs
+
+
+def _moved_at_build(layer, error, args, kwargs):
+    """For a call on KerasTensors (a model being built) that raised:
+    `(error, keep, undo)` after moving the innermost layer whose call
+    raised to float32 (`measure.move_failed_at_build`), else None."""
+    try:
+        symbolic = any(isinstance(x, keras.KerasTensor)
+                       for x in keras.tree.flatten((args, kwargs)))
+    except Exception:  # noqa: BLE001 (arguments tree cannot walk)
+        return None  # the call's own error is raised unchanged
+    if not symbolic:
+        return None
+    moved = move_failed_at_build(_innermost_layer(error, layer), error)
+    return None if moved is None else (error, *moved)
+
+
+def _innermost_layer(error, default):
+    """The layer of the deepest `Layer.__call__` (this module's) that
+    `error` passed through, or `default`."""
+    layer = default
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _layer_call.__code__:
+            layer = tb.tb_frame.f_locals.get("self", layer)
+        tb = tb.tb_next
+    return layer
+
+
+def _call_again(layer, moved, args, kwargs):
+    """The call once more with the failing layer in float32; if it fails
+    again, the layer is put back and the first error raised."""
+    error, keep, undo = moved
+    try:
+        outputs = layer(*args, **kwargs)
+    except Exception:
+        undo()
+        raise error from None
+    keep()
     return outputs
 
 

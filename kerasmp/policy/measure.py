@@ -150,13 +150,17 @@ def _first_line(error):
     """The first line of `error` that says what went wrong (not Keras's
     "Exception encountered when calling ..." wrapper), at most 100
     characters, cut at a word."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    # Keras's "Could not automatically infer the output shape ... Error
+    # encountered:" (a symbolic call at build) holds the cause after it.
+    text = text.split("Error encountered:", 1)[-1].splitlines()
     lines = [t.strip() for t in text if t.strip() and not t.startswith(
         "Exception encountered when calling")]
     line = lines[0] if lines else type(error).__name__
-    # TensorFlow names the graph node: say the op and the dtype instead.
+    # TensorFlow names the graph node (also behind Keras's "Could not
+    # automatically infer the output shape"): say the op and the dtype.
     node = re.search(r"Unsupported dtype\d+ for '\{\{node [^}]*\}\} = "
-                     r"(\w+)\[\w+=DT_(\w+)", line)
+                     r"(\w+)\[\w+=DT_(\w+)", " ".join(text))
     if node:
         line = (f"TensorFlow's {node.group(1)} op takes no "
                 f"{_DT.get(node.group(2), node.group(2).lower())} with a "
@@ -229,6 +233,43 @@ def _measure(model, policy, inputs, dry_run):
             if stored_policy(layer) is not policy:
                 layer.dtype_policy = policy
     return moved
+
+
+def move_failed_at_build(layer, error):
+    """Moves `layer`, whose symbolic call raised `error` while a model was
+    being built (its `__call__` on KerasTensors), to float32 when a
+    half-precision kerasmp policy governs it: a layer whose code has no
+    float16 path (keras-hub Flux's `TimestepEmbedding`: a float16 `range`
+    TensorFlow refuses) fails there, before the model exists to be
+    measured. The caller calls the layer again; `keep()` (with the warning
+    naming the layer) when that works, `undo()` when it fails too.
+
+    Returns:
+        `(keep, undo)`, or None when nothing was moved (a float32 layer, a
+        policy kerasmp does not govern, a model: its layers are measured at
+        its first call or compile).
+    """
+    if _running[0] or isinstance(layer, keras.Model):
+        return None
+    policy = _governing(layer, None)
+    dtype = layer.compute_dtype
+    if policy is None or dtype not in _HALF:
+        return None
+    previous = stored_policy(layer)
+    layer.dtype_policy = Float32Override(policy, FAILS_RULE.format(
+        dtype=dtype))
+
+    def keep():
+        name = getattr(layer, "path", None) or layer.name
+        warnings.warn(
+            f"kerasmp: layer {name!r} ({type(layer).__name__}) fails in "
+            f"{dtype} ({_first_line(error)}); it computes in float32.",
+            stacklevel=user_stacklevel())
+
+    def undo():
+        layer.dtype_policy = previous
+
+    return keep, undo
 
 
 def _sized(inputs):

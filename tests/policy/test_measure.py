@@ -247,6 +247,59 @@ def test_a_float16_range_of_known_length_moves_to_float32(mixed_policy):
 
 
 @keras.saving.register_keras_serializable(package="kerasmp_tests")
+class NoHalfAtBuild(keras.layers.Layer):
+    """Raises on float16 inputs in every call, building the model
+    included: like keras-hub Flux's `TimestepEmbedding` (a float16 `range`
+    TensorFlow refuses), whose failure stops the model's construction,
+    before there is a model to measure."""
+
+    def call(self, x):
+        if keras.backend.standardize_dtype(x.dtype) == "float16":
+            raise TypeError("no float16 path")
+        return ops.tanh(x) * 2.0
+
+
+def test_a_layer_that_fails_while_the_model_is_built_moves_to_float32(
+        mixed_policy):
+    def build():
+        return _model(NoHalfAtBuild(name="timestep"))
+
+    with pytest.warns(UserWarning, match=(
+            r"'timestep' \(NoHalfAtBuild\) fails in float16 \(no float16 "
+            r"path\); it computes in float32")):
+        model = build()
+    assert model.get_layer("timestep").compute_dtype == "float32"
+    assert model.get_layer("pre").compute_dtype == "float16"
+    assert "fails in float16" in str(kerasmp.dtype_report(model))
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    model.compile("adam", "mse")
+    history = model.fit(x, np.zeros((16, 2)), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    twin = _float32_twin(model, build)
+    np.testing.assert_allclose(model.predict(x, verbose=0),
+                               twin.predict(x, verbose=0), atol=2e-2)
+    # Under Keras's own mixed_float16 the model cannot be built at all.
+    kerasmp.set_global_policy(keras.DTypePolicy("mixed_float16"))
+    with pytest.raises(TypeError, match="no float16 path"):
+        build()
+
+
+def test_a_build_failure_float32_does_not_cure_is_raised_unchanged(
+        mixed_policy):
+    class Broken(keras.layers.Layer):
+        def call(self, x):
+            raise ValueError(f"broken in {x.dtype}")
+
+    layer = Broken(name="broken")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="broken in .*float16"):
+            _model(layer)
+    assert not [w for w in caught if "kerasmp: layer" in str(w.message)]
+    assert layer.compute_dtype == "float16"  # put back
+
+
+@keras.saving.register_keras_serializable(package="kerasmp_tests")
 class NoHalfKernel(keras.layers.Layer):
     """Raises on float16 inputs once the model runs, in inference as in
     training, as ESM's rotary embedding (TensorFlow's `range` has no
