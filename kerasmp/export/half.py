@@ -196,8 +196,13 @@ def decide(model, dtype, rules):
                 out_of_range.add(id(layer))
         if reason is None and not is_container(layer):
             rule = rule_policy.float32_rule(layer)
+            measured = _measured_rule(layer)
             if rule is not None:
                 reason = rule
+            elif measured is not None:
+                # kerasmp's measurement moved it (it fails in float16, or
+                # routes experts): the copy computes as the model does.
+                reason = measured
             elif mixed and _pinned_float32(layer):
                 # The mixed-precision guide's float32 output layer, or any
                 # layer the user pinned: it stays as the user built it.
@@ -217,6 +222,16 @@ def _half_policy(layer):
         return False
     return keras.backend.standardize_dtype(layer.compute_dtype) in (
         "float16", "bfloat16")
+
+
+def _measured_rule(layer):
+    """The rule of the `Float32Override` kerasmp's measurement gave
+    `layer` (`"fails in float16"`, `"MoE router (calls top_k)"`, ...), or
+    None."""
+    stored = _policy.stored_policy(layer)
+    if isinstance(stored, _policy.Float32Override):
+        return stored.rule
+    return None
 
 
 def _pinned_float32(layer):
@@ -543,6 +558,8 @@ def to_float16(model, keep_float32=None, float16_inputs=False,
       the model's `kerasmp.Policy` (or `kerasmp.DEFAULT_FLOAT32_LAYERS`:
       softmax and normalization layers, nested ones included, and layers
       whose activation is softmax);
+    - the layers kerasmp's measurement moved to float32 (they fail in
+      float16, or route a mixture of experts: `kerasmp.policy.measure`);
     - for float16, any layer with a weight float16 cannot represent
       (|x| > 65504), with a warning naming it: a BatchNormalization moving
       variance above 65504 would become inf and zero its channel.

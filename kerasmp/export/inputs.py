@@ -233,18 +233,3 @@ def predict(model, arrays):
                                           training=False)),
         arrays,
     )
-
-
-def static_specs(specs, example):
-    """`specs` with each unknown dimension after the batch fixed to the
-    matching dimension of `example` (the parity inputs), or None when no
-    dimension is unknown or `example` is missing."""
-    if example is None:
-        return None
-    out, changed = [], False
-    for (name, shape, dtype), a in zip(specs, example):
-        fixed = tuple(a.shape[i] if d is None and i > 0 else d
-                      for i, d in enumerate(shape))
-        changed |= fixed != tuple(shape)
-        out.append((name, fixed, dtype))
-    return out if changed else None

@@ -11,6 +11,7 @@ import numpy as np
 
 from kerasmp import _keras_internals as _ki
 from kerasmp.export.inputs import batched
+from kerasmp.export.lengths import free_or_fixed
 from kerasmp.export.pt2 import exported
 from kerasmp.export.savedmodel import serving_module
 
@@ -130,11 +131,17 @@ def write_onnx(model, path, specs, dtype, io_dtype, example=None):
     if keras.backend.backend() == "torch":
         _write_onnx_torch(model, path, specs, io_dtype, example)
         return
-    _, serve, _ = serving_module(model, specs, io_dtype)
     _ki.patch_tf2onnx()  # numpy 2 compatibility, as keras.export does
-    proto = _half_initializers(_erfc_to_erf(_from_function(serve, 17)))
-    with open(path, "wb") as f:
-        f.write(proto.SerializeToString())
+
+    def write(shapes):
+        _, serve, _ = serving_module(model, shapes, io_dtype)
+        proto = _half_initializers(_erfc_to_erf(_from_function(serve, 17)))
+        with open(path, "wb") as f:
+            f.write(proto.SerializeToString())
+
+    free_or_fixed(write, lambda rows, shapes: run_onnx(path, rows,
+                                                       shapes)[0],
+                  model, specs, example, "ONNX file")
 
 
 def _from_function(serve, opset):

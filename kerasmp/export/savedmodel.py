@@ -14,9 +14,7 @@ import numpy as np
 from kerasmp._utils.arrays import is_float
 from kerasmp.export.inputs import batched
 from kerasmp.export.inputs import pack
-from kerasmp.export.inputs import predict
-from kerasmp.export.inputs import static_specs
-from kerasmp.export.parity import parity
+from kerasmp.export.lengths import free_or_fixed
 from kerasmp.export.quiet import say
 
 
@@ -162,104 +160,39 @@ def constraint_for(error, sizes):
 
 
 def write_jax_savedmodel(model, path, specs, io_dtype, example=None):
-    """Writes the jax2tf SavedModel of `model` with the freest input shapes
-    that jax2tf traces and that compute what the model does.
+    """Writes the jax2tf SavedModel of `model` for `specs`' shapes.
 
-    1. The batch and every unknown length free, the lengths of equal size
-       in `example` (the parity inputs) one symbol (`jax_shapes`): Keras's
-       default gives each its own, and keras-hub's attention then fails to
-       broadcast the padding mask's length against the tokens'.
-    2. Where the model's code compares a length with a number that jax2tf
-       cannot decide for every length (keras-hub's position embeddings
-       slice a table of `max_sequence_length` rows), that comparison as a
-       constraint, decided as on `example` (`constraint_for`); up to
-       `MAX_CONSTRAINTS` of them, said in one warning.
-    3. The file is run on 4 parity inputs against the model: jax2tf
-       decides `length == n` as False for a free length, so Python code
-       that branches on it traces the other branch without an error.
-    4. Where 1-3 fail: the lengths fixed to `example`'s, the batch free,
-       with a warning naming the shapes and why.
+    Keras's default gives every unknown length its own symbol, and then
+    keras-hub's attention fails to broadcast the padding mask's length
+    against the tokens'. Here the lengths of equal size in `example` (the
+    parity inputs) share one symbol (`jax_shapes`); and where the model's
+    code compares a length with a number that jax2tf cannot decide for
+    every length (keras-hub's position embeddings slice a table of
+    `max_sequence_length` rows), that comparison becomes a constraint,
+    decided as on `example` (`constraint_for`; up to `MAX_CONSTRAINTS`),
+    which the file checks when called. Returns the constraints added.
     """
     if example is None:
-        jax_archive(model, specs, io_dtype).write_out(path, verbose=False)
-        return
-    name = getattr(model, "name", "model")
+        _write(jax_archive(model, specs, io_dtype), path)
+        return []
     shapes, sizes = jax_shapes(specs, example)
     constraints = []
-
-    def free():
-        while True:
-            try:
-                _write(jax_archive(model, specs, io_dtype, shapes,
-                                   constraints), path)
-                return
-            except Exception as e:  # jax2tf's shape errors, of any type
-                constraint = constraint_for(e, sizes)
-                if (constraint is None or constraint in constraints
-                        or len(constraints) >= MAX_CONSTRAINTS):
-                    raise
-                constraints.append(constraint)
-
-    failure = _checked(free, model, path, specs, example)
-    if failure is None:
-        if constraints:
-            lengths = _named_lengths(specs, shapes)
-            said = "; ".join(_readable(c, lengths) for c in constraints)
-            say(f"kerasmp.export: the SavedModel of {name!r} from JAX "
-                f"takes {said} (the model's code branches on these sizes; "
-                "a call outside them is refused with a shape error).")
-        return
-    fixed = static_specs(specs, example)
-    if fixed is not None:
-        again = _checked(
-            lambda: _write(jax_archive(model, fixed, io_dtype), path),
-            model, path, fixed, example)
-        if not isinstance(again, Exception):
-            # Written and run (what it computes, the export's parity says).
-            why = (_line(failure) if isinstance(failure, Exception)
-                   else failure)
-            shown = ", ".join(f"{n}: {tuple(s)}" for n, s, _ in fixed)
-            say(f"kerasmp.export: the SavedModel of {name!r} from JAX takes "
-                f"inputs of fixed length ({shown}; the batch may vary): "
-                f"with free lengths {why}. Pass `sample=` inputs of the "
-                "length you serve.")
-            return
-        failure = again
-    if not isinstance(failure, Exception):
-        return  # nothing to fix: the export's parity report says it
-    raise ValueError(
-        f"format='savedmodel' cannot write {name!r} from JAX (jax2tf): "
-        f"{_line(failure)}; export it with KERAS_BACKEND=tensorflow, or "
-        "to 'keras'.") from failure
+    while True:
+        try:
+            _write(jax_archive(model, specs, io_dtype, shapes, constraints),
+                   path)
+            return constraints
+        except Exception as e:  # jax2tf's shape errors, of any type
+            constraint = constraint_for(e, sizes)
+            if (constraint is None or constraint in constraints
+                    or len(constraints) >= MAX_CONSTRAINTS):
+                raise
+            constraints.append(constraint)
 
 
 def _write(archive, path):
     shutil.rmtree(path, ignore_errors=True)
     archive.write_out(path, verbose=False)
-
-
-def _checked(write, model, path, specs, example):
-    """Runs `write()`, then the written file on 4 parity inputs: None when
-    it computes what `model` does, else what went wrong (the exception, or
-    a sentence from `_differs`)."""
-    try:
-        write()
-        return _differs(model, path, specs, example)
-    except Exception as e:  # tracing, writing or running the file
-        return e
-
-
-def _differs(model, path, specs, example):
-    """None when the SavedModel at `path` computes what `model` does on the
-    first 4 parity inputs (max |diff| / range within 0.1, as the TFLite
-    route checks), else what it computes."""
-    rows = [a[:4] for a in example]
-    outs, _, _ = run_savedmodel(path, rows, specs)
-    p = parity(predict(model, rows), outs)
-    if p["rel_diff"] <= 0.1:
-        return None
-    return (f"jax2tf traces a program that computes something else (max "
-            f"|diff| / range {p['rel_diff']:.3g} on {len(rows[0])} inputs)")
 
 
 def _named_lengths(specs, shapes):
@@ -287,15 +220,6 @@ def _readable(constraint, lengths):
     symbol, op, n = constraint.split(" ")
     words = {"<=": "up to", ">=": "from"}[op]
     return f"{lengths.get(symbol, symbol)} {words} {n}"
-
-
-def _line(e):
-    """One line of what `e` says: an MLIR diagnostic's `error: ...` where
-    there is one (TensorFlow's `XlaCallModule` failing to read what jax2tf
-    wrote hides it behind a graph-execution preamble)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", " ".join(str(e).split()))
-    m = re.search(r":\d+: error: (.+)", text)
-    return f"{type(e).__name__}: {(m.group(1) if m else text)[:160]}"
 
 
 def _without_seeds(model):
@@ -329,16 +253,34 @@ def _without_seeds(model):
 
 def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):
     """Writes `model` (the half-precision `HalfModel`, or the float32 one)
-    as a SavedModel folder with a `serving_default` signature."""
+    as a SavedModel folder with a `serving_default` signature: free
+    lengths where they trace and compute what the model does, else the
+    parity inputs' (`lengths.free_or_fixed`)."""
     import tensorflow as tf
 
-    if keras.backend.backend() == "jax":
-        write_jax_savedmodel(model, path, specs, io_dtype, example)
-        return
-    module, serve, _ = serving_module(model, specs, io_dtype)
-    tf.saved_model.save(
-        module, path, signatures={"serving_default": serve}
-    )
+    jax = keras.backend.backend() == "jax"
+    constraints = []
+
+    def write(shapes):
+        if jax:
+            constraints[:] = write_jax_savedmodel(model, path, shapes,
+                                                  io_dtype, example)
+            return
+        module, serve, _ = serving_module(model, shapes, io_dtype)
+        shutil.rmtree(path, ignore_errors=True)
+        tf.saved_model.save(module, path,
+                            signatures={"serving_default": serve})
+
+    written = free_or_fixed(
+        write, lambda rows, shapes: run_savedmodel(path, rows, shapes)[0],
+        model, specs, example, "SavedModel")
+    if constraints and written is specs:
+        lengths = _named_lengths(specs, jax_shapes(specs, example)[0])
+        said = "; ".join(_readable(c, lengths) for c in constraints)
+        say(f"kerasmp.export: the SavedModel of "
+            f"{getattr(model, 'name', 'model')!r} from JAX takes {said} (the "
+            "model's code branches on these sizes; a call outside them is "
+            "refused with a shape error).")
 
 
 def run_savedmodel(path, arrays, specs):

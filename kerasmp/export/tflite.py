@@ -32,7 +32,7 @@ from kerasmp.export.half import HalfModel
 from kerasmp.export.inputs import PREDICT_BATCH
 from kerasmp.export.inputs import batched
 from kerasmp.export.inputs import predict
-from kerasmp.export.inputs import static_specs
+from kerasmp.export.lengths import static_specs
 from kerasmp.export.parity import parity
 from kerasmp.export.quiet import say
 from kerasmp.export.savedmodel import jax_archive

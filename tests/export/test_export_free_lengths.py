@@ -201,6 +201,60 @@ def test_a_branch_on_a_free_length_falls_back_to_the_samples(tmp_path):
         None, 6, 4]
 
 
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("fmt,name", [("savedmodel", "sm"),
+                                      ("onnx", "m.onnx")])
+def test_a_loop_over_the_length_gets_the_samples_length(tmp_path, fmt,
+                                                        name):
+    # keras-hub RWKV-7's time mix: `for t in range(T)` needs a Python int,
+    # which a free length is not ("'SymbolicTensor' object cannot be
+    # interpreted as an integer"): the file takes the parity inputs'
+    # length, with a warning saying so and why.
+    class Scan(keras.layers.Layer):
+        def call(self, x):
+            total, out = 0.0, []
+            for t in range(ops_shape(x)[1]):
+                total = total + x[:, t]
+                out.append(total)
+            return keras.ops.stack(out, axis=1)
+
+        def compute_output_shape(self, shape):  # so the model builds
+            return shape
+
+    def ops_shape(x):
+        return keras.ops.shape(x)
+
+    def build():
+        inputs = keras.Input((None, 4), name="x")
+        h = keras.layers.Dense(4)(inputs)
+        return keras.Model(inputs, keras.layers.Dense(2)(Scan()(h)))
+
+    with policy_scope(Policy("mixed_float16")):
+        model = build()
+    sample = np.random.default_rng(0).uniform(0, 1, (8, 5, 4)).astype(
+        "float32")
+    path = str(tmp_path / name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = kx.export(model, path, format=fmt, sample=sample, gate=True)
+    said = [str(w.message) for w in caught if "fixed length" in
+            str(w.message)]
+    assert len(said) == 1 and "(x: (None, 5, 4)" in said[0]
+    assert "cannot be interpreted as an integer" in said[0], said
+    with policy_scope("float32"):
+        ref = build()
+    ref.set_weights(model.get_weights())
+    x = sample[:3]
+    if fmt == "savedmodel":
+        y = _serve(path, {"x": x})
+    else:
+        import onnxruntime
+
+        y = onnxruntime.InferenceSession(path).run(None, {"x": x})[0]
+    assert _close(y, keras.ops.convert_to_numpy(ref(x)))
+    assert report.rel_diff < 2e-2
+
+
 # --------------------------------------------------------------------------
 # ONNX from TensorFlow: a constant the trace captures
 # --------------------------------------------------------------------------
@@ -230,3 +284,41 @@ def test_onnx_of_a_model_scaling_by_a_captured_constant(tmp_path):
     ref.set_weights(model.get_weights())
     assert _close(y, keras.ops.convert_to_numpy(ref(x)))
     assert report.rel_diff < 2e-2
+
+
+# --------------------------------------------------------------------------
+# Layers kerasmp's measurement moved to float32 stay float32 in the copy
+# --------------------------------------------------------------------------
+
+
+def test_a_layer_measured_to_fail_in_float16_stays_float32_in_the_export(
+        tmp_path):
+    # keras-hub ESM's rotary embedding (a float16 `range` TensorFlow
+    # refuses): the model predicts under kerasmp, where measurement moved
+    # the layer to float32; the half-precision copy must keep it so, or
+    # its SavedModel fails to trace.
+    class NoHalf(keras.layers.Layer):
+        def call(self, x):
+            if keras.backend.standardize_dtype(x.dtype) == "float16":
+                raise TypeError("no float16 path")
+            return keras.ops.tanh(x) * 2.0
+
+    def build():
+        inputs = keras.Input((8,), name="x")
+        h = NoHalf(name="rotary")(keras.layers.Dense(8, name="pre")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+    with policy_scope(Policy("mixed_float16")):
+        with pytest.warns(UserWarning, match="'rotary'.*fails in float16"):
+            model = build()
+    half = kx.to_float16(model)
+    assert half.kept_float32["rotary"] == "fails in float16"
+    assert half.layer_compute_dtypes()["pre"] == "float16"
+    path = str(tmp_path / "sm")
+    report = kx.export(model, path, format="savedmodel", gate=True)
+    assert "rotary" in report.kept_float32
+    with policy_scope("float32"):
+        ref = build()
+    ref.set_weights(model.get_weights())
+    x = np.random.default_rng(0).uniform(0, 1, (5, 8)).astype("float32")
+    assert _close(_serve(path, {"x": x}), keras.ops.convert_to_numpy(ref(x)))
