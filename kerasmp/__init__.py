@@ -116,15 +116,30 @@ def _register():
         pass
 
 
-class _AfterKerasImport(importlib.abc.MetaPathFinder):
-    """Imports kerasmp's registering modules right after `keras` is imported.
+def _kerasmp_importing():
+    """Whether a kerasmp module is being imported right now (its code has
+    started and not finished)."""
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name.startswith("kerasmp.")
+    )
 
-    It only wraps the loader of the top-level `keras` package (found by the
-    other finders) and removes itself once Keras is loaded.
+
+class _AfterKerasImport(importlib.abc.MetaPathFinder):
+    """Imports kerasmp's registering modules once Keras is imported.
+
+    Right after the top-level `keras` package is loaded; or, when a kerasmp
+    module imported Keras (`kerasmp.set_global_policy` before any `import
+    keras`), right after the outermost kerasmp import finishes: registering
+    in the middle of it would import `kerasmp._patches`, which needs the
+    half-imported modules, and fail. It wraps the loaders of `keras` and
+    of kerasmp's submodules (found by the other finders) to see when they
+    finish, and removes itself once the modules are registered.
     """
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "keras":
+        if fullname != "keras" and not fullname.startswith("kerasmp."):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -148,9 +163,13 @@ class _AfterKerasImport(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module):
-                _remove(finder)
                 original(module)
-                _register()
+                # This module has finished (its spec is still marked as
+                # initializing until this returns): is any other?
+                spec._initializing = False
+                if "keras" in sys.modules and not _kerasmp_importing():
+                    _remove(finder)
+                    _register()
 
         spec.loader = _Loader()
         return spec

@@ -172,6 +172,32 @@ def test_import_kerasmp_is_lazy_and_keeps_its_api():
     assert proc.stdout.strip() == "ok"
 
 
+@pytest.mark.parametrize("first", [
+    "import kerasmp\nkerasmp.set_global_policy('mixed_float16')",
+    "from kerasmp.policy import Policy, set_global_policy\n"
+    "set_global_policy(Policy('mixed_float16'))",
+    "import kerasmp\nimport keras\nkerasmp.set_global_policy('mixed_float16')",
+])
+def test_the_policy_works_whichever_is_imported_first(first):
+    # kerasmp's first use imports Keras from inside a kerasmp module: the
+    # patches then install when that import finishes (installing them in
+    # the middle of it failed, silently, and a LayerNormalization built
+    # under kerasmp's policy computed in float16).
+    script = (
+        f"{first}\n"
+        "import keras\n"
+        "norm = keras.layers.LayerNormalization()\n"
+        "dense = keras.layers.Dense(2)\n"
+        "print(norm.compute_dtype, dense.compute_dtype)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["float32", "float16"]
+
+
 @pytest.mark.tensorflow
 def test_inspect_is_quiet_and_prints_the_report(files):
     env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": None}
