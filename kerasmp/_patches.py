@@ -70,10 +70,7 @@ from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
-from kerasmp.policy.measure import can_measure
-from kerasmp.policy.measure import is_measured
-from kerasmp.policy.measure import mark_measured
-from kerasmp.policy.measure import measure
+from kerasmp.policy.measure import measure_once
 from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan as build_plan
 from kerasmp.policy.policy import Policy
@@ -192,7 +189,7 @@ def _first_call(layer):
     # A subclassed model (no symbolic inputs, ever) costs one failed
     # attribute read a call here.
     if isinstance(layer, keras.Model):
-        _measure_once(layer)
+        measure_once(layer)
 
 
 # ------------------------------------------------------- 3. saving, loading
@@ -218,7 +215,7 @@ def _from_config(cls, config):
 def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
-    _measure_once(self)
+    measure_once(self)
     plan = build_plan(self)
     if not plan.governed:
         result = original(self, *args, **kwargs)
@@ -280,18 +277,6 @@ def _on_cpu():
     import jax
 
     return jax.devices()[0].platform == "cpu"
-
-
-def _measure_once(model):
-    """Measures `model` (`kerasmp.policy.measure`) if a half-precision
-    kerasmp policy governs it, once: at its first call or its compile,
-    whichever comes first and finds its symbolic inputs."""
-    if is_measured(model) or not can_measure(model):
-        return
-    mark_measured(model)
-    plan = build_plan(model)
-    if plan.governed:
-        measure(model, plan.policy)
 
 
 def _is_stock_loss_scale_optimizer(optimizer):

@@ -430,6 +430,7 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     from kerasmp.export.quiet import converters
     from kerasmp.export.quiet import discarded
     from kerasmp.export.registry import REGISTRY
+    from kerasmp.policy.measure import measure_once
 
     path = check_target(path, format, overwrite, dtype, io_dtype)
     if format == "keras" and io_dtype != "float32":
@@ -445,6 +446,9 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     if gate and max_rel_diff is None:
         max_rel_diff = DEFAULT_MAX_REL_DIFF[dtype]
     check_model(model)
+    # As its first call would: the layers that fail in half precision move
+    # to float32 before any copy is made (a model built, never called).
+    measure_once(model)
     keep_rules(model, keep_float32)  # a pattern that matches nothing raises
     fmt = REGISTRY[format]
     source = fmt.source_on(keras.backend.backend())

@@ -37,6 +37,7 @@ from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
 from kerasmp.export.quiet import say
 from kerasmp.policy import policy as _policy
+from kerasmp.policy.measure import measure_once
 
 DTYPES = ("float16", "bfloat16")
 
@@ -598,4 +599,5 @@ def to_float16(model, keep_float32=None, float16_inputs=False,
     {'d': 'float16', 'ln': 'float32'}
     """
     check_dtype(dtype, DTYPES)
+    measure_once(model)  # as its first call would
     return convert(model, dtype, keep_float32, float16_inputs)[0]

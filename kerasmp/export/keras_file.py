@@ -44,8 +44,9 @@ from kerasmp._utils.layers import walk
 from kerasmp.export.half import is_container
 from kerasmp.export.half import plan
 from kerasmp.export.half import unique_variables
+from kerasmp.export.inputs import PREDICT_BATCH
 from kerasmp.export.inputs import input_specs
-from kerasmp.export.inputs import predict
+from kerasmp.export.inputs import pack
 from kerasmp.export.keras_config import NotExpressible
 from kerasmp.export.keras_config import cannot_write
 from kerasmp.export.keras_config import float32_global
@@ -142,7 +143,7 @@ def build(model, dtype, keep_float32=None, example=None):
     check = None
     if example is not None:
         few = [a[:8] for a in example]
-        check = lambda plain: predict(plain, few)  # noqa: E731
+        check = lambda plain: compiled_predict(plain, few)  # noqa: E731
     config.pop("compile_config", None)  # inference only: no optimizer
     # Pass 1 learns each rebuilt layer's `Layer.path` (the maps' keys), and
     # which layers no policy in the config reaches: built under a global
@@ -258,6 +259,34 @@ def _left(layer, wanted_compute, wanted, why):
             "wanted": wanted_compute, "extra_bytes": int(extra), "why": why}
 
 
+def _auto_named(layer):
+    """`{id(sublayer)}` of the sublayers `layer`'s own code creates whose
+    `Layer.path` holds a name Keras made up with a counter of the process
+    (`esm_rotary_embedding_6`: the class's snake-case name and `_6`),
+    theirs or a parent's. The loader names them with its own counters, so
+    a policy map cannot address them by path: they are reached through
+    their parent's map default, like layers without a path. A bare stem
+    (`position_embedding`) is what code that names its layers writes, and
+    what a new process names the first one: it stays addressable."""
+    out, at = set(), {}
+    for path, sub in walk(layer):
+        at[path] = sub
+        parent = path.rsplit("/", 1)[0] if "/" in path else None
+        made_up = re.fullmatch(
+            re.escape(_snake_case(type(sub).__name__)) + r"_\d+", sub.name)
+        if made_up or (parent is not None and id(at.get(parent)) in out):
+            out.add(id(sub))
+    return out
+
+
+def _snake_case(name):
+    """Keras's auto-name stem of a class name (`ESMRotaryEmbedding` ->
+    `esm_rotary_embedding`)."""
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
 def _attempt(job, pathless_float32, plain_only):
     model, dtype, kept = job.model, job.dtype, job.kept
     handed_back, pathless = set(), []
@@ -270,6 +299,7 @@ def _attempt(job, pathless_float32, plain_only):
             return plain_policy("float32" if own in kept else dtype)
         family = [(job.wpath.get(id(l), ""), l)
                   for l in [layer] + [l for _, l in walk(layer)]]
+        unstable = _auto_named(layer)
         entries, pathless_kept, widens = {}, [], False
         for i, (path, sub) in enumerate(family):
             name = "float32" if path in kept else dtype
@@ -282,7 +312,7 @@ def _attempt(job, pathless_float32, plain_only):
                 # returns the parent's dtype.
                 name = f"mixed_{dtype}"
                 handed_back.add(path)
-            if sub.path:
+            if sub.path and id(sub) not in unstable:
                 entries[sub.path] = name
             elif path in kept:
                 pathless_kept.append(path)
@@ -483,6 +513,16 @@ def _copy_group(source, target):
             data.attrs.update(obj.attrs)
 
 
+def compiled_predict(model, arrays):
+    """`model.predict` on `arrays` (flat, numpy), as a user runs a loaded
+    file: compiled (a `tf.function` on TensorFlow), where TensorFlow checks
+    what an eager call lets through (a float16 `range` of known length:
+    Keras's eager `arange` falls back to float32)."""
+    y = model.predict(pack(model, arrays), batch_size=PREDICT_BATCH,
+                      verbose=0)
+    return [np.asarray(t) for t in keras.tree.flatten(y)]
+
+
 def run_keras(path, arrays, specs):
     """Loads the `.keras` file at `path` with plain Keras, under a float32
     global policy as a process without kerasmp does, and runs it."""
@@ -494,7 +534,7 @@ def run_keras(path, arrays, specs):
             f"The exported .keras file does not load back ({root_cause(e)})"
             f"; {instead()}.") from e
     try:
-        outs = predict(model, arrays)
+        outs = compiled_predict(model, arrays)
     except ValueError:
         raise
     except Exception as e:  # the stock policies break the model's code

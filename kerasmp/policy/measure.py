@@ -49,6 +49,7 @@ from kerasmp._utils.instrument import running_layers
 from kerasmp._utils.instrument import watching_ops
 from kerasmp._utils.layers import walk
 from kerasmp._utils.warn import user_stacklevel
+from kerasmp.policy.plan import plan
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import stored_policy
@@ -77,6 +78,20 @@ def can_measure(model):
     measurement runs on (a Functional model, a Sequential one once built),
     and no measurement is running (whose symbolic run calls models)."""
     return not _running[0] and _symbolic_inputs(model) is not None
+
+
+def measure_once(model):
+    """Measures `model` (`measure`) if a half-precision kerasmp policy
+    governs it and it was not measured yet: what its first call or its
+    `compile` does (`kerasmp._patches`), and what `kerasmp.export` does
+    for a model never called. Does nothing while `can_measure` is False.
+    """
+    if is_measured(model) or not can_measure(model):
+        return
+    mark_measured(model)
+    governing = plan(model)
+    if governing.governed:
+        measure(model, governing.policy)
 
 
 def mark_measured(model):

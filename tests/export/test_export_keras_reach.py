@@ -398,3 +398,51 @@ def _run_plain_hub(path, x_path, backend):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])["y"]
+
+
+ESM_LOAD = BLOCK_KERASMP + """
+import keras, keras_hub, numpy as np
+# Other ESM layers first: the loader's own counters then name the file's
+# rotary embeddings `esm_rotary_embedding_2`, `_3`, not as the writer did.
+keras_hub.models.ESMBackbone(**json.loads(sys.argv[3]))
+model = keras.saving.load_model(sys.argv[1], compile=False)
+y = model.predict({"token_ids": np.load(sys.argv[2])}, verbose=0)
+print("RESULT " + json.dumps({"y": y.astype("float64").tolist()}))
+"""
+
+
+@pytest.mark.tensorflow
+def test_a_measured_layer_with_a_made_up_name_stays_float32_in_a_keras(
+        tmp_path):
+    # keras-hub ESM's rotary embedding: created by its attention layer
+    # without a name (Keras names it `esm_rotary_embedding_<counter>`),
+    # moved to float32 by kerasmp's measurement (a float16 `range` of
+    # known length, refused by TensorFlow in a compiled predict). A policy
+    # map keyed by that made-up path missed it in a new process, and the
+    # file's predict failed there; reached through its parent's map
+    # default, it is float32 whatever the loader's counters.
+    keras_hub = pytest.importorskip("keras_hub")
+    config = dict(vocabulary_size=10, num_layers=2, num_heads=1,
+                  hidden_dim=4, intermediate_dim=8)
+    keras.utils.set_random_seed(0)
+    with policy_scope(Policy("mixed_float16")):
+        model = keras_hub.models.ESMBackbone(**config)
+    with policy_scope("float32"):
+        ref = keras_hub.models.ESMBackbone(**config)
+    ref.set_weights(model.get_weights())
+    ids = np.random.default_rng(0).integers(0, 10, (4, 6)).astype("int32")
+    path = tmp_path / "esm.keras"
+    report = kx.export(model, str(path), format="keras",
+                       sample={"token_ids": ids}, gate=True)
+    assert any("rotary" in p and why == "fails in float16"
+               for p, why in report.kept_float32.items()), report
+    np.save(tmp_path / "ids.npy", ids)
+    proc = subprocess.run(
+        [sys.executable, "-c", ESM_LOAD, str(path), str(tmp_path / "ids.npy"),
+         json.dumps(config)], capture_output=True, text=True,
+        env=subprocess_env("tensorflow"), timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = np.asarray(json.loads(lines[-1][len("RESULT "):])["y"])
+    want = keras.ops.convert_to_numpy(ref({"token_ids": ids}))
+    assert _rel(got, want.astype("float64")) <= 2e-2
