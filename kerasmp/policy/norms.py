@@ -28,9 +28,10 @@ are composites and stay in the compute dtype; `ConvNormAct` and
 arithmetic is broken in float16 (and only float16). keras-hub's
 `T5MultiHeadAttention` builds its attention mask bias as
 `(1 - mask) * -1e9` in its compute dtype: in float16 `-1e9` is -inf and
-`0 x -inf` is NaN, so every unmasked position is NaN. Computing that layer in
-float32 fixes it; its Dense projections are sublayers, judged on their own,
-and stay float16.
+`0 x -inf` is NaN, so every unmasked position is NaN; so do the encoder and
+decoder layers of T5Gemma and T5Gemma2, in their own `call`. Computing such a
+layer in float32 fixes it; its Dense projections and attention are
+sublayers, judged on their own, and stay float16.
 
 Everything here is a pure function of the layer (and the Python call stack,
 for "while its `__init__` runs"); `kerasmp.policy` applies the rules.
@@ -74,10 +75,18 @@ COMPUTE_HEAVY_CLASSES = _keras_classes((
 )) + (keras.Model,)
 """Sublayers that make a layer a composite block, not a normalization."""
 
+_MASK_BIAS = (
+    "keras-hub builds its attention mask bias as (1 - mask) * -1e9 in the "
+    "compute dtype: -1e9 is -inf in float16 and 0 x -inf is NaN")
+
 KNOWN_FLOAT16_HAZARDS = {
-    "T5MultiHeadAttention": (
-        "keras-hub builds its attention mask bias as (1 - mask) * -1e9 in "
-        "the compute dtype: -1e9 is -inf in float16 and 0 x -inf is NaN"),
+    "T5MultiHeadAttention": _MASK_BIAS,
+    # T5Gemma's and T5Gemma2's encoder and decoder layers build the same
+    # bias in their own `call` (NaN on every position, padded or not).
+    "T5GemmaEncoderLayer": _MASK_BIAS,
+    "T5GemmaDecoderLayer": _MASK_BIAS,
+    "T5Gemma2EncoderLayer": _MASK_BIAS,
+    "T5Gemma2DecoderLayer": _MASK_BIAS,
 }
 """Class name -> why the class computes NaN/inf in float16 (float16 only)."""
 

@@ -211,3 +211,39 @@ def test_t5_layer_norm_above_256_is_finite_under_kerasmp():
           f"{np.abs(np.where(finite, out, 0)).max():.3g}, max |out - "
           f"float32| {np.abs(np.where(finite, out, 0) - ref).max():.3g} "
           f"(float32 max |out| {np.abs(ref).max():.3g})]")
+
+
+@pytest.mark.parametrize("name", ["T5GemmaBackbone", "T5Gemma2Backbone"])
+def test_t5gemma_layers_build_their_mask_bias_in_float32(name):
+    """T5Gemma's and T5Gemma2's encoder and decoder layers build the
+    `(1 - mask) * -1e9` bias in their own `call`: NaN on every position in
+    float16 (stock `mixed_float16` too); `KNOWN_FLOAT16_HAZARDS` computes
+    those layers in float32, their attention and MLPs stay float16."""
+    from zoo import hub
+    from zoo import spec
+    from zoo import worker
+
+    zoo = hub.HUB[name]
+    x = spec.draw(zoo.inputs, 2, seed=1)
+    with kerasmp.policy_scope("float32"):
+        reference, _ = worker.build(zoo)
+    with kerasmp.policy_scope("mixed_float16"):
+        mixed, _ = worker.build(zoo, None)
+    mixed.set_weights(reference.get_weights())
+    want = keras.ops.convert_to_numpy(reference(x))
+    got = keras.ops.convert_to_numpy(mixed(x)).astype("float32")
+    assert np.isfinite(got).all()
+    assert spec.rel_diff(want, got) <= 2e-2
+    from kerasmp.policy.norms import KNOWN_FLOAT16_HAZARDS
+
+    layers = [(p, l) for p, l in walk(mixed)
+              if type(l).__name__ in KNOWN_FLOAT16_HAZARDS]
+    assert layers and all(l.compute_dtype == "float32" for _, l in layers)
+    assert any(isinstance(l, keras.layers.EinsumDense)
+               and l.compute_dtype == "float16" for _, l in walk(mixed))
+    without = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
+               if r is not kerasmp.policy.KNOWN_FLOAT16_HAZARDS]
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without)):
+        broken, _ = worker.build(zoo)
+    broken.set_weights(reference.get_weights())
+    assert not np.isfinite(keras.ops.convert_to_numpy(broken(x))).all()
