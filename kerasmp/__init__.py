@@ -116,16 +116,6 @@ def _register():
         pass
 
 
-def _kerasmp_importing():
-    """Whether a kerasmp module is being imported right now (its code has
-    started and not finished)."""
-    return any(
-        getattr(getattr(module, "__spec__", None), "_initializing", False)
-        for name, module in list(sys.modules.items())
-        if name.startswith("kerasmp.")
-    )
-
-
 class _AfterKerasImport(importlib.abc.MetaPathFinder):
     """Imports kerasmp's registering modules once Keras is imported.
 
@@ -137,6 +127,11 @@ class _AfterKerasImport(importlib.abc.MetaPathFinder):
     of kerasmp's submodules (found by the other finders) to see when they
     finish, and removes itself once the modules are registered.
     """
+
+    def __init__(self):
+        # How many kerasmp modules are executing right now (started, not
+        # finished): nested imports count once each.
+        self.depth = 0
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "keras" and not fullname.startswith("kerasmp."):
@@ -163,11 +158,13 @@ class _AfterKerasImport(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module):
-                original(module)
-                # This module has finished (its spec is still marked as
-                # initializing until this returns): is any other?
-                spec._initializing = False
-                if "keras" in sys.modules and not _kerasmp_importing():
+                ours = fullname != "keras"
+                finder.depth += ours
+                try:
+                    original(module)
+                finally:
+                    finder.depth -= ours
+                if "keras" in sys.modules and finder.depth == 0:
                     _remove(finder)
                     _register()
 
