@@ -169,10 +169,45 @@ def _from_function(serve, opset):
         concrete, inputs, outputs)
     with tf.device("/cpu:0"):
         frozen = tf2onnx.tf_loader.from_function(concrete, inputs, outputs)
+        frozen = _inline_compiled_calls(frozen, inputs, outputs)
         proto, _ = tf2onnx.convert.from_graph_def(
             frozen, name=concrete.name, input_names=inputs,
             output_names=outputs, opset=opset, tensors_to_rename=renames)
     return proto
+
+
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+_NOT_INLINED = ("_XlaMustCompile", "_noinline")
+
+
+def _inline_compiled_calls(graph_def, inputs, outputs):
+    """`graph_def` with the calls of functions marked for XLA inlined.
+
+    Keras's TensorFlow backend runs a grouped or depthwise-as-grouped
+    convolution (keras.applications ConvNeXt, keras-hub HGNetV2) through a
+    `tf.function(jit_compile=True)`, since TensorFlow has no grouped
+    convolution kernel for the CPU. Grappler never inlines a function marked
+    for XLA (`_XlaMustCompile`, `_noinline`), so the frozen graph keeps a
+    `PartitionedCall` node that tf2onnx passes through and onnxruntime
+    rejects ("No Op registered for PartitionedCall"). The marks only ask for
+    XLA; the function body is plain TensorFlow ops (one `Conv2D` with a
+    `groups`-shaped kernel), which ONNX's `Conv` expresses, so they are
+    dropped and grappler inlines the call.
+    """
+    import tensorflow as tf
+    import tf2onnx
+
+    if not any(node.op in _CALLS for node in graph_def.node):
+        return graph_def
+    for node in graph_def.node:
+        if node.op in _CALLS:
+            for mark in _NOT_INLINED:
+                node.attr.pop(mark, None)
+    for function in graph_def.library.function:
+        for mark in _NOT_INLINED:
+            function.attr.pop(mark, None)
+    with tf.Graph().as_default():  # grappler works on a graph, not eagerly
+        return tf2onnx.tf_loader.tf_optimize(inputs, outputs, graph_def)
 
 
 def _write_onnx_torch(model, path, specs, io_dtype, example):

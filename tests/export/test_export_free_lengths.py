@@ -286,6 +286,31 @@ def test_onnx_of_a_model_scaling_by_a_captured_constant(tmp_path):
     assert report.rel_diff < 2e-2
 
 
+@pytest.mark.tensorflow
+def test_onnx_of_a_grouped_convolution(tmp_path):
+    # Keras's TensorFlow backend runs a grouped convolution through an XLA
+    # function (keras.applications ConvNeXt, keras-hub HGNetV2), which the
+    # frozen graph kept as a PartitionedCall onnxruntime cannot load.
+    import onnx
+    import onnxruntime
+
+    with policy_scope(Policy("mixed_float16")):
+        inputs = keras.Input((6, 6, 4), name="x")
+        h = keras.layers.Conv2D(4, 3, groups=4, padding="same")(inputs)
+        model = keras.Model(inputs, keras.layers.Conv2D(2, 1)(h))
+    path = str(tmp_path / "m.onnx")
+    kx.export(model, path, format="onnx", gate=True)
+    ops = {node.op_type for node in onnx.load(path).graph.node}
+    assert "Conv" in ops and not ops & {"PartitionedCall",
+                                        "StatefulPartitionedCall"}
+    x = np.random.default_rng(0).uniform(0, 1, (3, 6, 6, 4)).astype("float32")
+    y = onnxruntime.InferenceSession(path).run(None, {"x": x})[0]
+    with policy_scope("float32"):
+        ref = keras.Model.from_config(model.get_config())
+    ref.set_weights(model.get_weights())
+    assert _close(y, keras.ops.convert_to_numpy(ref(x)))
+
+
 # --------------------------------------------------------------------------
 # Layers kerasmp's measurement moved to float32 stay float32 in the copy
 # --------------------------------------------------------------------------
