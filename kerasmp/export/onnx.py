@@ -170,6 +170,7 @@ def _from_function(serve, opset):
     with tf.device("/cpu:0"):
         frozen = tf2onnx.tf_loader.from_function(concrete, inputs, outputs)
         frozen = _inline_compiled_calls(frozen, inputs, outputs)
+        _resize_from_float32(frozen)
         proto, _ = tf2onnx.convert.from_graph_def(
             frozen, name=concrete.name, input_names=inputs,
             output_names=outputs, opset=opset, tensors_to_rename=renames)
@@ -208,6 +209,42 @@ def _inline_compiled_calls(graph_def, inputs, outputs):
             function.attr.pop(mark, None)
     with tf.Graph().as_default():  # grappler works on a graph, not eagerly
         return tf2onnx.tf_loader.tf_optimize(inputs, outputs, graph_def)
+
+
+# TensorFlow's resize ops that return float32 whatever their input's type.
+_FLOAT_RESIZES = ("ResizeBilinear", "ResizeBicubic", "ResizeArea")
+
+
+def _resize_from_float32(graph_def):
+    """Feeds each float16 image of a float-returning resize through a cast
+    to float32, in place.
+
+    `tf.image.resize` (Keras's `Resizing`, and the upsampling of keras-hub
+    DeepLabV3 and SegFormer) reads a float16 image and returns float32;
+    tf2onnx maps it to ONNX `Resize`, whose output has its input's type, and
+    the next op then mixes float16 with the float32 TensorFlow expected
+    ("Type parameter (T) of Optype (Min) bound to different types"). Casting
+    float16 to float32 is exact and TensorFlow resizes in float32 anyway, so
+    the rewritten graph computes the same values.
+    """
+    from tensorflow.core.framework import types_pb2
+
+    half, single = types_pb2.DT_HALF, types_pb2.DT_FLOAT
+    for node in list(graph_def.node):
+        if node.op not in _FLOAT_RESIZES or node.attr["T"].type != half:
+            continue
+        cast = graph_def.node.add()
+        cast.name = node.name + "/kerasmp_to_float32"
+        cast.op = "Cast"
+        cast.input.append(node.input[0])
+        cast.attr["SrcT"].type = half
+        cast.attr["DstT"].type = single
+        cast.attr["Truncate"].b = False
+        if node.device:
+            cast.device = node.device
+        node.input[0] = cast.name
+        node.attr["T"].type = single
+    return graph_def
 
 
 def _write_onnx_torch(model, path, specs, io_dtype, example):

@@ -311,6 +311,30 @@ def test_onnx_of_a_grouped_convolution(tmp_path):
     assert _close(y, keras.ops.convert_to_numpy(ref(x)))
 
 
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_onnx_of_a_float16_resize(tmp_path, interpolation):
+    # tf.image.resize reads float16 and returns float32 (keras-hub
+    # DeepLabV3, SegFormer); ONNX's Resize returned float16 and the clip
+    # after it mixed the two, which onnxruntime refused to load.
+    import onnxruntime
+
+    with policy_scope(Policy("mixed_float16")):
+        inputs = keras.Input((5, 5, 3), name="x")
+        h = keras.layers.Conv2D(3, 1)(inputs)
+        h = keras.layers.Resizing(9, 7, interpolation=interpolation)(h)
+        model = keras.Model(inputs, keras.layers.Conv2D(2, 1)(h))
+    path = str(tmp_path / "m.onnx")
+    kx.export(model, path, format="onnx", gate=True)
+    x = np.random.default_rng(0).uniform(0, 1, (3, 5, 5, 3)).astype("float32")
+    y = onnxruntime.InferenceSession(path).run(None, {"x": x})[0]
+    with policy_scope("float32"):
+        ref = keras.Model.from_config(model.get_config())
+    ref.set_weights(model.get_weights())
+    assert y.shape == (3, 9, 7, 2)
+    assert _close(y, keras.ops.convert_to_numpy(ref(x)))
+
+
 # --------------------------------------------------------------------------
 # Layers kerasmp's measurement moved to float32 stay float32 in the copy
 # --------------------------------------------------------------------------
