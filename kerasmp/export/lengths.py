@@ -61,8 +61,9 @@ def free_or_fixed(write, run, model, specs, example, what):
         The specs written.
 
     Raises:
-        The first attempt's error when the fixed lengths fail too (or no
-        length is unknown).
+        When the free lengths raise and the fixed ones fail too: the fixed
+        lengths' error (the free lengths' as its cause), or the free
+        lengths' when no length is unknown.
     """
     if example is None:
         write(specs)
@@ -71,12 +72,17 @@ def free_or_fixed(write, run, model, specs, example, what):
     if failure is None:
         return specs
     fixed = static_specs(specs, example)
-    if fixed is None or isinstance(
-            _checked(write, run, model, fixed, example), Exception):
+    second = None if fixed is None else _checked(write, run, model, fixed,
+                                                 example)
+    if fixed is None or isinstance(second, Exception):
         if isinstance(failure, Exception):
+            # Failing at the parity inputs' lengths too, the fixed
+            # lengths' error is the one to show, the free lengths' its
+            # cause.
+            if isinstance(second, Exception):
+                raise second from failure
             raise failure
-        if fixed is not None:  # back to the free one: parity says the rest
-            write(specs)
+        write(specs)  # back to the free one: parity says the rest
         return specs
     why = summary(failure) if isinstance(failure, Exception) else failure
     shown = ", ".join(f"{n}: {tuple(s)}" for n, s, _ in fixed)

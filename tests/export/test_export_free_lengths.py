@@ -47,6 +47,27 @@ def test_lengths_of_equal_size_share_a_symbol():
     assert sizes == {"d0": 12, "d1": 7, "batch": 4}
 
 
+def test_failing_at_fixed_lengths_too_raises_that_error_caused_by_the_first():
+    # RWKV-7's ONNX: the free length fails in a Python loop over it, the
+    # fixed one in the converter; the second is what the user must act on.
+    from kerasmp.export.lengths import free_or_fixed
+
+    attempts = []
+
+    def write(specs):
+        attempts.append(specs[0][1])
+        if specs[0][1][1] is None:
+            raise TypeError("loop over a symbolic length")
+        raise ValueError("No Op registered for TensorListReserve")
+
+    example = [np.zeros((4, 6), "int32")]
+    with pytest.raises(ValueError, match="TensorListReserve") as info:
+        free_or_fixed(write, None, None, [("x", (None, None), "int32")],
+                      example, "ONNX file")
+    assert isinstance(info.value.__cause__, TypeError)
+    assert attempts == [(None, None), (None, 6)]
+
+
 @pytest.mark.parametrize("message,size,want", [
     # keras-hub PositionEmbedding: a slice as long as the input from a
     # table of 5 rows; a sample of length 3 lies inside.
