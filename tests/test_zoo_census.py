@@ -234,3 +234,26 @@ def test_describe_says_which_package_raised():
         described = worker.describe(e)
     assert described["error"] == "ValueError: no"
     assert described["raised_in"] == "other"  # this test file
+
+
+def test_an_export_off_on_a_flat_output_is_flat_and_counted_per_format():
+    def row(f32_range, rel):
+        run = _run()
+        run["export"] = {"ok": True,
+                         "keras": {"written": True, "reloaded": True,
+                                   "rel_diff": rel},
+                         "onnx": {"written": False, "raised_in": "other",
+                                  "error": "ValueError: onnxruntime ..."}}
+        f32 = _run()
+        f32["forward"]["range"] = f32_range
+        return {"float32": f32, "stock": _run(), "kerasmp": run}
+
+    rows = {"flat": row(1e-9, 3.0), "wide": row(2.0, 3.0),
+            "fine": row(2.0, 1e-3)}
+    counts = report.counts(rows)
+    assert counts["exports"]["keras"] == 1
+    assert counts["exports_run"] == 3
+    assert counts["exports_not_ok"]["keras"] == {"flat": "flat",
+                                                 "wide": "parity"}
+    assert counts["exports_not_ok"]["onnx"] == {
+        "flat": "crash", "wide": "crash", "fine": "crash"}

@@ -105,6 +105,10 @@ def row_summary(name, row):
     out["check"] = (check.get("errors") if check.get("ok")
                     else "crash" if check else None)
     out["exports"] = {fmt: export_verdict(kerasmp, fmt) for fmt in FORMATS}
+    if out["parity_kerasmp"] == "flat":
+        # Nor the export's parity gate, on the same flat output.
+        out["exports"] = {fmt: ("flat", None) if v[0] == "parity" else v
+                          for fmt, v in out["exports"].items()}
     fit = kerasmp.get("fit") or {}
     out["skipped"] = fit.get("skipped")
     stock_fit = (row.get("stock") or {}).get("fit") or {}
@@ -158,6 +162,12 @@ def counts(rows):
                                and x["check"] > 0),
         "exports": {fmt: sum(x["exports"][fmt][0] == "ok" for x in s)
                     for fmt in FORMATS},
+        "exports_run": sum(any(x["exports"][f][0] != "-" for f in FORMATS)
+                           for x in s),
+        "exports_not_ok": {
+            fmt: {x["name"]: x["exports"][fmt][0] for x in s
+                  if x["exports"][fmt][0] not in ("ok", "-")}
+            for fmt in FORMATS},
     }
     out.update(warmup_counts(s))
     return out
