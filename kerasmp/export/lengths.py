@@ -117,7 +117,7 @@ def summary(e):
     Keras's "Exception encountered when calling X.call()" with the layer's
     class, else its first line."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    m = re.search(r":\d+: error: (.+)", " ".join(text.split()))
+    m = re.search(r":\d+: error: ([^\n]+)", text)
     if m:
         return f"{type(e).__name__}: {m.group(1)[:160]}"
     lines = [line.strip() for line in text.splitlines() if line.strip()]

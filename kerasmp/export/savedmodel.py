@@ -15,6 +15,7 @@ from kerasmp._utils.arrays import is_float
 from kerasmp.export.inputs import batched
 from kerasmp.export.inputs import pack
 from kerasmp.export.lengths import free_or_fixed
+from kerasmp.export.lengths import summary
 from kerasmp.export.quiet import say
 
 
@@ -271,9 +272,21 @@ def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):
         tf.saved_model.save(module, path,
                             signatures={"serving_default": serve})
 
-    written = free_or_fixed(
-        write, lambda rows, shapes: run_savedmodel(path, rows, shapes)[0],
-        model, specs, example, "SavedModel")
+    try:
+        written = free_or_fixed(
+            write, lambda rows, shapes: run_savedmodel(path, rows, shapes)[0],
+            model, specs, example, "SavedModel")
+    except Exception as e:
+        if not jax:
+            raise
+        # What jax2tf writes and TensorFlow then cannot run (keras-hub's MoE
+        # routers: JAX 0.10 writes `top_k` as a StableHLO composite that
+        # TensorFlow 2.21 cannot read): one sentence with the ways out.
+        raise ValueError(
+            f"format='savedmodel' cannot write "
+            f"{getattr(model, 'name', 'model')!r} from JAX (jax2tf): "
+            f"{summary(e)}; export it with KERAS_BACKEND=tensorflow, or to "
+            "'keras'.") from e
     if constraints and written is specs:
         lengths = _named_lengths(specs, jax_shapes(specs, example)[0])
         said = "; ".join(_readable(c, lengths) for c in constraints)

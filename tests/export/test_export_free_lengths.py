@@ -137,6 +137,39 @@ def _close(y, want):
     return np.max(np.abs(y - want)) / np.ptp(want) < 2e-2
 
 
+class _TopK(keras.layers.Layer):
+    """Keeps each row's 2 largest values, as keras-hub's MoE routers pick
+    experts."""
+
+    def call(self, x):
+        values, _ = keras.ops.top_k(x, 2)
+        return values
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the JAX route (jax2tf)")
+def test_a_savedmodel_from_jax_that_tensorflow_cannot_run_is_one_sentence(
+        tmp_path):
+    # JAX 0.10 writes top_k as a StableHLO composite that TensorFlow 2.21
+    # cannot read: the file must not fail later, nor with TensorFlow's
+    # graph-execution error, but say what works. With versions that read
+    # it, the file must compute what the model does.
+    with policy_scope(Policy("mixed_float16")):
+        inputs = keras.Input((6,), name="x")
+        model = keras.Model(inputs, _TopK()(keras.layers.Dense(6)(inputs)))
+    x = np.random.default_rng(0).uniform(-1, 1, (8, 6)).astype("float32")
+    path = str(tmp_path / "sm")
+    try:
+        report = kx.export(model, path, format="savedmodel", sample=x)
+    except ValueError as e:
+        assert type(e) is ValueError
+        text = str(e)
+        assert "from JAX (jax2tf)" in text
+        assert "KERAS_BACKEND=tensorflow" in text and "'keras'" in text
+        assert "\n" not in text
+        return
+    assert report.rel_diff < 2e-2
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="the JAX route (jax2tf)")
 def test_bert_savedmodel_from_jax_serves_every_length_up_to_its_table(
         tmp_path):
