@@ -164,12 +164,19 @@ def test_import_kerasmp_is_lazy_and_keeps_its_api():
         "    getattr(kerasmp, name)\n"
         "print('ok')\n"
     )
+    proc = _run_fresh(script)
+    assert proc.stdout.strip() == "ok"
+
+
+def _run_fresh(script):
+    """Runs `script` in a new Python process that imports this checkout's
+    kerasmp; fails the test with its stderr when it fails."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", script], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "ok"
+    return proc
 
 
 @pytest.mark.parametrize("first", [
@@ -190,11 +197,7 @@ def test_the_policy_works_whichever_is_imported_first(first):
         "dense = keras.layers.Dense(2)\n"
         "print(norm.compute_dtype, dense.compute_dtype)\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-c", script], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_fresh(script)
     assert proc.stdout.split() == ["float32", "float16"]
 
 
