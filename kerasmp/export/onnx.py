@@ -244,7 +244,6 @@ def _resize_from_float32(graph_def):
             cast.device = node.device
         node.input[0] = cast.name
         node.attr["T"].type = single
-    return graph_def
 
 
 def _write_onnx_torch(model, path, specs, io_dtype, example):
