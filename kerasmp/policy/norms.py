@@ -29,8 +29,11 @@ arithmetic is broken in float16 (and only float16). keras-hub's
 `T5MultiHeadAttention` builds its attention mask bias as
 `(1 - mask) * -1e9` in its compute dtype: in float16 `-1e9` is -inf and
 `0 x -inf` is NaN, so every unmasked position is NaN; so do the encoder and
-decoder layers of T5Gemma and T5Gemma2, in their own `call`. Computing such a
-layer in float32 fixes it; its Dense projections and attention are
+decoder layers of T5Gemma and T5Gemma2, in their own `call`. Flux's
+`TimestepEmbedding` takes cos/sin of `1000 * t * freqs`: float16 rounds those
+phases to 0.5 near 1000, so its embedding is off by up to 0.25 (Stable
+Diffusion 3's layer of that name computes the phases in float32 itself).
+Computing such a layer in float32 fixes it; its Dense projections and attention are
 sublayers, judged on their own, and stay float16.
 
 Everything here is a pure function of the layer (and the Python call stack,
@@ -87,6 +90,13 @@ KNOWN_FLOAT16_HAZARDS = {
     "T5GemmaDecoderLayer": _MASK_BIAS,
     "T5Gemma2EncoderLayer": _MASK_BIAS,
     "T5Gemma2DecoderLayer": _MASK_BIAS,
+    # Flux's sinusoidal timestep embedding (keras-hub's
+    # `flux_maths.TimestepEmbedding`); Stable Diffusion 3's layer of the
+    # same name already computes it in float32.
+    "TimestepEmbedding": (
+        "keras-hub's Flux takes cos/sin of 1000 * t * freqs in the compute "
+        "dtype: float16's spacing near 1000 is 0.5, so the phases, and the "
+        "embedding, are off by up to 0.25"),
 }
 """Class name -> why the class computes NaN/inf in float16 (float16 only)."""
 

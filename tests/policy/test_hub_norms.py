@@ -247,3 +247,32 @@ def test_t5gemma_layers_build_their_mask_bias_in_float32(name):
         broken, _ = worker.build(zoo)
     broken.set_weights(reference.get_weights())
     assert not np.isfinite(keras.ops.convert_to_numpy(broken(x))).all()
+
+
+def test_flux_timestep_embedding_computes_its_phases_in_float32():
+    """Flux's sinusoidal timestep embedding against the analytic one
+    (float64 numpy): under kerasmp it is float32-accurate; computed in
+    float16 (the rule removed, as stock `mixed_float16` does on JAX) the
+    phases 1000 * t * freqs round to float16's spacing of 0.5 near 1000."""
+    from keras_hub.src.models.flux.flux_maths import TimestepEmbedding
+
+    dim = 64
+    t = np.linspace(0.05, 1.0, 8).astype("float32")
+    freqs = np.exp(-np.log(10000.0) * np.arange(dim // 2) / (dim // 2))
+    phases = 1000.0 * t.astype("float64")[:, None] * freqs[None]
+    expected = np.concatenate([np.cos(phases), np.sin(phases)], axis=-1)
+
+    def error(layer):
+        got = keras.ops.convert_to_numpy(layer(t, dim=dim)).astype("float64")
+        return np.abs(got - expected).max()
+
+    with kerasmp.policy_scope("mixed_float16"):
+        layer = TimestepEmbedding()
+    assert layer.compute_dtype == "float32"
+    assert error(layer) < 1e-3
+    without = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
+               if r is not kerasmp.policy.KNOWN_FLOAT16_HAZARDS]
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without)):
+        half = TimestepEmbedding()
+    assert half.compute_dtype == "float16"
+    assert error(half) > 1e-2
