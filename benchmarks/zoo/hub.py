@@ -124,10 +124,12 @@ _hub("FalconBackbone", "falcon", dict(
     vocabulary_size=10, num_layers=2, num_attention_heads=8, hidden_dim=16,
     intermediate_dim=32), _tok_mask(5, 10))
 _hub("FNetBackbone", "f_net", dict(
-    vocabulary_size=10, num_layers=2, hidden_dim=2, intermediate_dim=4,
+    vocabulary_size=10, num_layers=2, hidden_dim=8, intermediate_dim=16,
     max_sequence_length=5),
     {"token_ids": tokens(5, 10), "segment_ids": zeros(5)}, test=TEST.format(
-        "f_net", "f_net"))
+        "f_net", "f_net"),
+    note="hidden_dim 8 where the test has 2: a LayerNormalization over 2 "
+         "features outputs +-1, where no parity figure means anything")
 _hub("GemmaBackbone", "gemma", dict(
     vocabulary_size=20, num_layers=2, num_query_heads=4,
     num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=4,
@@ -389,10 +391,13 @@ _VIT = dict(image_shape=(28, 28, 3), patch_size=(4, 4), num_layers=3,
 _hub("ViTBackbone", "vit", _VIT, _img(28))
 _VITDET = dict(image_shape=(16, 16, 3), patch_size=2, hidden_size=4,
                num_layers=2, global_attention_layer_indices=[2, 5, 8, 11],
-               intermediate_dim=4 * 4, num_heads=2, num_output_channels=2,
+               intermediate_dim=4 * 4, num_heads=2, num_output_channels=8,
                window_size=2)
 _hub("ViTDetBackbone", "vit_det", _VITDET, _img(16),
-     note="batch 2 where the test feeds 1 image")
+     note="batch 2 where the test feeds 1 image; num_output_channels 8 "
+          "where it has 2: the neck's LayerNormalization over 2 channels "
+          "outputs +-1, the sign of their difference, where no parity "
+          "figure means anything")
 _hub("XceptionBackbone", "xception", dict(
     stackwise_conv_filters=[[32, 64], [128, 128], [256, 256]],
     stackwise_pooling=[False, True, False], image_shape=(None, None, 3)),
