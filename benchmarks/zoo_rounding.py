@@ -50,7 +50,11 @@ def round_to_half(weights):
 
 
 def measure(name):
-    """`{"rounded_weights": figure, "params": n}` for one census model."""
+    """`{"rounded_weights": figure, "absmax", "range", "params"}` for one
+    census model (`absmax` and `range` of its float32 output: below
+    float16's smallest normal number, 6.1e-5, float16 keeps fewer than 11
+    significant bits)."""
+    import numpy as np
     from zoo import spec
     from zoo.worker import build
     from zoo.worker import data
@@ -64,7 +68,10 @@ def measure(name):
     weights = train.get_weights()
     features, train = build(zoo, round_to_half(weights))
     rounded = predict(features, x)
+    reference = np.asarray(reference, "float64")
     return {"rounded_weights": spec.rel_diff(reference, rounded),
+            "absmax": float(np.abs(reference).max()),
+            "range": float(reference.max() - reference.min()),
             "params": int(train.count_params())}
 
 
@@ -95,7 +102,7 @@ def main(argv=None):
     backend = keras.backend.backend()
     rows = {}
     print(f"{'model':28s} {'kerasmp':>9s} {'stock':>9s} "
-          f"{'f32, f16 weights':>17s}")
+          f"{'f32, f16 weights':>17s} {'f32 |max|':>9s}")
     for name in args.models:
         start = time.time()
         try:
@@ -112,7 +119,8 @@ def main(argv=None):
 
         print(f"{name:28s} {cell(row['kerasmp']):>9s} "
               f"{cell(row['stock']):>9s} "
-              f"{cell(row.get('rounded_weights')):>17s}"
+              f"{cell(row.get('rounded_weights')):>17s} "
+              f"{cell(row.get('absmax')):>9s}"
               f"{'  ' + row['error'] if 'error' in row else ''}",
               flush=True)
     out = {

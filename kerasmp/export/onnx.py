@@ -1,5 +1,7 @@
 """The ONNX format: the half-precision serving function converted by
-tf2onnx (exact GELU's `Erfc` rewritten as `1 - Erf`, weights that are only
+tf2onnx (its frozen graph with XLA-marked calls inlined, float16 images cast
+to float32 before a resize and infinite constants of float16 selects made
+finite; exact GELU's `Erfc` rewritten as `1 - Erf`, weights that are only
 read in float16 stored in float16), or on the PyTorch backend by
 `torch.onnx.export` (its dynamo exporter, from the `torch.export` program
 of `pt2.exported`: a free batch, where stock Keras's TorchScript route
@@ -171,6 +173,7 @@ def _from_function(serve, opset):
         frozen = tf2onnx.tf_loader.from_function(concrete, inputs, outputs)
         frozen = _inline_compiled_calls(frozen, inputs, outputs)
         _resize_from_float32(frozen)
+        _finite_select_constants(frozen)
         proto, _ = tf2onnx.convert.from_graph_def(
             frozen, name=concrete.name, input_names=inputs,
             output_names=outputs, opset=opset, tensors_to_rename=renames)
@@ -244,6 +247,46 @@ def _resize_from_float32(graph_def):
             cast.device = node.device
         node.input[0] = cast.name
         node.attr["T"].type = single
+
+
+def _finite_select_constants(graph_def):
+    """Gives each float16 `Select`/`SelectV2` finite constants, in place:
+    an infinite constant branch becomes float16's largest finite value,
+    with its sign.
+
+    keras-hub's Gemma3n attention masks its logits with
+    `ops.where(mask, logits, -1e9)`; in float16 the `-1e9` is `-inf`.
+    tf2onnx writes a select as `cond * x + (1 - cond) * y` unless a branch is
+    a non-finite constant, a test it makes for float32 and float64 only:
+    the float16 `0 * -inf` is NaN, so every masked position, then the whole
+    softmax row, is NaN under onnxruntime (TensorFlow's select has no such
+    product). A constant of -65504 selects the same way, and after the
+    softmax `exp(-65504 - max)` is 0 as `exp(-inf)` is; a row that masks
+    every position gets uniform weights, as the float32 model's `-1e9`
+    gives, where `-inf` gives NaN.
+    """
+    import tensorflow as tf
+    from tensorflow.core.framework import types_pb2
+
+    limit = float(np.finfo(np.float16).max)
+    consts = {n.name: n for n in graph_def.node if n.op == "Const"}
+    for node in list(graph_def.node):
+        if (node.op not in ("Select", "SelectV2")
+                or node.attr["T"].type != types_pb2.DT_HALF):
+            continue
+        for k in (1, 2):
+            const = consts.get(node.input[k].split(":")[0])
+            if const is None:
+                continue
+            values = tf.make_ndarray(const.attr["value"].tensor)
+            if not np.isinf(values).any():
+                continue
+            finite = graph_def.node.add()
+            finite.CopyFrom(const)
+            finite.name = const.name + "/kerasmp_finite"
+            finite.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(
+                np.clip(values, -limit, limit).astype(np.float16)))
+            node.input[k] = finite.name
 
 
 def _write_onnx_torch(model, path, specs, io_dtype, example):

@@ -33,8 +33,8 @@ decoder layers of T5Gemma and T5Gemma2, in their own `call`. Flux's
 `TimestepEmbedding` takes cos/sin of `1000 * t * freqs`: float16 rounds those
 phases to 0.5 near 1000, so its embedding is off by up to 0.25 (Stable
 Diffusion 3's layer of that name computes the phases in float32 itself).
-Computing such a layer in float32 fixes it; its Dense projections and attention are
-sublayers, judged on their own, and stay float16.
+Computing such a layer in float32 fixes it; its Dense projections and
+attention are sublayers, judged on their own, and stay float16.
 
 Everything here is a pure function of the layer (and the Python call stack,
 for "while its `__init__` runs"); `kerasmp.policy` applies the rules.

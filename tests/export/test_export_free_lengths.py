@@ -389,6 +389,39 @@ def test_onnx_of_a_float16_resize(tmp_path, interpolation):
     assert _close(y, keras.ops.convert_to_numpy(ref(x)))
 
 
+@pytest.mark.tensorflow
+def test_onnx_of_a_float16_select_with_an_infinite_branch(tmp_path):
+    # keras-hub Gemma3n's attention: `ops.where(mask, logits, -1e9)` in
+    # float16, where -1e9 is -inf. tf2onnx writes a float16 select as
+    # `cond * x + (1 - cond) * y` (its inf check covers float32 only), and
+    # 0 * -inf made every masked softmax row NaN under onnxruntime.
+    import onnxruntime
+
+    class MaskedSoftmax(keras.layers.Layer):
+        def call(self, x):
+            logits = keras.ops.where(x > 0.5, x * 3.0, -1e9)
+            return keras.ops.softmax(logits, axis=-1)
+
+    def build():
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.Dense(8, name="pre")(inputs)
+        h = MaskedSoftmax(name="masked")(h)
+        return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+    with policy_scope(Policy("mixed_float16")):
+        model = build()
+    assert model.get_layer("masked").compute_dtype == "float16"
+    path = str(tmp_path / "m.onnx")
+    kx.export(model, path, format="onnx")
+    x = np.random.default_rng(0).uniform(0, 1, (16, 8)).astype("float32")
+    y = onnxruntime.InferenceSession(path).run(None, {"x": x})[0]
+    with policy_scope("float32"):
+        ref = build()
+    ref.set_weights(model.get_weights())
+    assert np.isfinite(y).all()
+    assert _close(y, keras.ops.convert_to_numpy(ref(x)))
+
+
 # --------------------------------------------------------------------------
 # Layers kerasmp's measurement moved to float32 stay float32 in the copy
 # --------------------------------------------------------------------------
