@@ -172,6 +172,20 @@ def test_parity_figure():
     assert spec.rel_diff(np.zeros(3), np.full(3, 0.5)) == 0.5
 
 
+def test_rounded_weights_are_float16_values_and_other_arrays_untouched():
+    import zoo_rounding
+
+    weights = [np.array([1.0 + 2.0 ** -12, 1.0 + 2.0 ** -10, 1e-8, 7e4],
+                        "float32"), np.arange(3, dtype="int32")]
+    rounded = zoo_rounding.round_to_half(weights)
+    # float16 keeps 10 bits after the leading one: 1 + 2**-12 rounds to 1,
+    # 1 + 2**-10 is kept, 1e-8 underflows to 0, 7e4 overflows to inf.
+    np.testing.assert_array_equal(
+        rounded[0], np.array([1.0, 1.0 + 2.0 ** -10, 0.0, np.inf], "float32"))
+    assert rounded[0].dtype == np.float32
+    assert rounded[1] is weights[1]
+
+
 def test_warmup_counts():
     def warm(a, b):
         return {"ok": True,
