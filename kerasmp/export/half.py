@@ -12,7 +12,8 @@ model's own `call` with
   the originals are neither read nor changed), and
 - every layer's dtype policy temporarily set to a plain
   `keras.DTypePolicy`: `mixed_<dtype>` (float16 compute) or `float32` for the
-  kept layers, restored on exit.
+  kept layers, restored on exit, and the global policy set to the copy's
+  (for the layers a `call` creates as it runs).
 
 The original model is held but not tracked, so saving or exporting the
 `HalfModel` stores only its half-precision variables. Layers are matched to
@@ -428,7 +429,8 @@ class HalfModel(keras.Model):
             for layer, dtype in self._handback():
                 patched.append((layer, layer.__dict__.get("call")))
                 object.__setattr__(layer, "call", _handing_back(layer, dtype))
-            with keras.StatelessScope(state_mapping=mapping):
+            with keras.StatelessScope(state_mapping=mapping), \
+                    self._global_policy():
                 outputs = self._hidden.source(inputs, training=training)
         finally:
             for layer, call in reversed(patched):
@@ -441,6 +443,22 @@ class HalfModel(keras.Model):
         if self.float16_inputs:
             return outputs
         return keras.tree.map_structure(_to_float32, outputs)
+
+    def _global_policy(self):
+        """The global policy while the copy runs: the copy's own (`float32`
+        for the float32 copy), for the layers a `call` creates as it runs.
+
+        keras-hub's EfficientNet blocks create their residual `Add` inside
+        `call`; under the caller's `mixed_float16` it added in float16 in
+        the float32 copy, and TFLite, which runs only float32 graphs,
+        refused the file (Flex `AddV2`, `Mul`).
+        """
+        import contextlib
+
+        name = self.layer_policies[0]
+        if name is None:
+            return contextlib.nullcontext()
+        return _policy.policy_scope(name)
 
     def _handback(self):
         """`(layer, dtype)`: the float32 layers whose float32 outputs go

@@ -160,3 +160,44 @@ def test_onnx_from_jax_is_one_clear_error_before_any_work(tmp_path):
     assert "\n" not in message
     assert "KERAS_BACKEND=tensorflow" in message and "'tflite'" in message
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.tensorflow
+def test_tflite_of_a_model_whose_call_creates_layers(tmp_path):
+    # keras-hub's EfficientNet blocks create their residual `Add` inside
+    # `call`: the float32 copy TFLite converts made it under the caller's
+    # global mixed_float16, a float16 AddV2 the builtin ops cannot run.
+    from ai_edge_litert.interpreter import Interpreter
+
+    from kerasmp.policy import policy_scope
+
+    class Residual(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(4, name="inner")
+
+        def build(self, shape):
+            self.dense.build(shape)
+
+        def call(self, x):
+            return keras.layers.Add()([self.dense(x), x])
+
+    def build():
+        inputs = keras.Input((4,), name="x")
+        h = Residual(name="block")(keras.layers.Dense(4, name="pre")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+    with policy_scope("mixed_float16"):
+        model = build()
+        path = str(tmp_path / "m.tflite")
+        report = kx.export(model, path, format="tflite")
+        assert report.rel_diff < 2e-2
+    with policy_scope("float32"):
+        ref = build()
+    ref.set_weights(model.get_weights())
+    x = np.random.default_rng(0).uniform(0, 1, (5, 4)).astype("float32")
+    runner = Interpreter(model_path=path).get_signature_runner(
+        "serving_default")
+    y = next(iter(runner(x=x).values()))
+    want = keras.ops.convert_to_numpy(ref(x))
+    assert np.max(np.abs(y - want)) / np.ptp(want) < 2e-2
