@@ -1,7 +1,8 @@
 """The ONNX format: the half-precision serving function converted by
 tf2onnx (its frozen graph with XLA-marked calls inlined, float16 images cast
 to float32 before a resize and infinite constants of float16 selects made
-finite; exact GELU's `Erfc` rewritten as `1 - Erf`, weights that are only
+finite; resizes given their output sizes, exact GELU's `Erfc` rewritten as
+`1 - Erf`, weights that are only
 read in float16 stored in float16), or on the PyTorch backend by
 `torch.onnx.export` (its dynamo exporter, from the `torch.export` program
 of `pt2.exported`: a free batch, where stock Keras's TorchScript route
@@ -52,6 +53,73 @@ def _erfc_to_erf(proto):
         graph.node.append(helper.make_node(
             "Sub", [one_like, erf_out], [n.output[0]],
             name=n.name + "_one_minus"))
+    return proto
+
+
+def _resize_to_sizes(proto):
+    """Gives each `Resize` that tf2onnx wrote with constant scales the
+    output sizes they stand for, in place.
+
+    tf2onnx writes `tf.image.resize(x, (nh, nw))` of a known input size
+    `(h, w)` as ONNX `Resize` with scales `nh / h`, in float32, and ONNX
+    sizes the output `floor(h * scale)`: 9 / 5 is stored as 1.7999999523,
+    so 5 pixels resized to 9 are inferred as 8. keras-hub DepthAnything's
+    neck resizes 5 to 9 and adds a 9 x 9 map, and onnxruntime refused to
+    load the file ("Incompatible dimensions"). Where the floor falls short
+    of the rounded product, the node gets `sizes`: the input's batch and
+    channels (read at run time) and the rounded height and width.
+    """
+    from onnx import helper
+    from onnx import numpy_helper
+    from onnx import shape_inference
+
+    graph = proto.graph
+    consts = {i.name: i for i in graph.initializer}
+    for n in graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].t:
+            consts[n.output[0]] = n.attribute[0].t
+    resizes = [n for n in graph.node if n.op_type == "Resize"
+               and len(n.input) == 3 and n.input[2] in consts]
+    if not resizes:
+        return proto
+    inferred = shape_inference.infer_shapes(proto).graph
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else None
+                     for d in v.type.tensor_type.shape.dim]
+            for v in list(inferred.value_info) + list(inferred.input)}
+    before = {}
+    for n in resizes:
+        scales = numpy_helper.to_array(consts[n.input[2]]).astype(np.float64)
+        shape = dims.get(n.input[0])
+        if (scales.shape != (4,) or not shape or len(shape) != 4
+                or None in shape[2:] or not np.all(scales[:2] == 1.0)):
+            continue
+        spatial = np.asarray(shape[2:], np.float64) * scales[2:]
+        sizes = np.round(spatial).astype(np.int64)
+        if np.array_equal(np.floor(spatial).astype(np.int64), sizes):
+            continue  # the scales give these sizes already
+        base = n.name + "/kerasmp_sizes"
+        graph.initializer.extend([
+            numpy_helper.from_array(np.array([0], np.int64), base + "/0"),
+            numpy_helper.from_array(np.array([2], np.int64), base + "/2"),
+            numpy_helper.from_array(sizes, base + "/hw"),
+        ])
+        before[n.name] = [
+            helper.make_node("Shape", [n.input[0]], [base + "/shape"],
+                             name=base + "/shape"),
+            helper.make_node("Slice", [base + "/shape", base + "/0",
+                                       base + "/2"], [base + "/nc"],
+                             name=base + "/nc"),
+            helper.make_node("Concat", [base + "/nc", base + "/hw"], [base],
+                             axis=0, name=base),
+        ]
+        n.input[2] = ""
+        n.input.append(base)
+    if before:  # keep the nodes in topological order
+        nodes = list(graph.node)
+        del graph.node[:]
+        for n in nodes:
+            graph.node.extend(before.get(n.name, []))
+            graph.node.append(n)
     return proto
 
 
@@ -137,7 +205,8 @@ def write_onnx(model, path, specs, dtype, io_dtype, example=None):
 
     def write(shapes):
         _, serve, _ = serving_module(model, shapes, io_dtype)
-        proto = _half_initializers(_erfc_to_erf(_from_function(serve, 17)))
+        proto = _half_initializers(_erfc_to_erf(_resize_to_sizes(
+            _from_function(serve, 17))))
         with open(path, "wb") as f:
             f.write(proto.SerializeToString())
 

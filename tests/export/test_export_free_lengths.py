@@ -390,6 +390,36 @@ def test_onnx_of_a_float16_resize(tmp_path, interpolation):
 
 
 @pytest.mark.tensorflow
+def test_onnx_of_a_resize_whose_scale_is_not_exact_in_float32(tmp_path):
+    # keras-hub DepthAnything's neck: 5 x 5 resized to 9 x 9, then added to
+    # a 9 x 9 map. tf2onnx stored the scale 9 / 5 as 1.7999999523, ONNX
+    # infers floor(5 * scale) = 8, and onnxruntime refused the Add.
+    import onnxruntime
+
+    def build():
+        small = keras.Input((5, 5, 3), name="small")
+        large = keras.Input((9, 9, 3), name="large")
+        h = keras.layers.Conv2D(4, 1, name="a")(small)
+        h = keras.layers.Resizing(9, 9, name="up")(h)
+        h = keras.layers.Add()([h, keras.layers.Conv2D(4, 1, name="b")(large)])
+        return keras.Model([small, large], keras.layers.Conv2D(2, 1)(h))
+
+    with policy_scope(Policy("mixed_float16")):
+        model = build()
+    path = str(tmp_path / "m.onnx")
+    kx.export(model, path, format="onnx")
+    rng = np.random.default_rng(0)
+    x = {"small": rng.uniform(0, 1, (3, 5, 5, 3)).astype("float32"),
+         "large": rng.uniform(0, 1, (3, 9, 9, 3)).astype("float32")}
+    y = onnxruntime.InferenceSession(path).run(None, x)[0]
+    with policy_scope("float32"):
+        ref = build()
+    ref.set_weights(model.get_weights())
+    assert y.shape == (3, 9, 9, 2)
+    assert _close(y, keras.ops.convert_to_numpy(ref(x)))
+
+
+@pytest.mark.tensorflow
 def test_onnx_of_a_float16_select_with_an_infinite_branch(tmp_path):
     # keras-hub Gemma3n's attention: `ops.where(mask, logits, -1e9)` in
     # float16, where -1e9 is -inf. tf2onnx writes a float16 select as
