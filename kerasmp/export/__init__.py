@@ -419,9 +419,9 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     """
     import keras
 
-    from kerasmp.export.half import check_model
+    from kerasmp.export.arguments import check_model
+    from kerasmp.export.arguments import keep_rules
     from kerasmp.export.half import convert
-    from kerasmp.export.half import keep_rules
     from kerasmp.export.inputs import parity_inputs
     from kerasmp.export.inputs import predict
     from kerasmp.export.parity import measure

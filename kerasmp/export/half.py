@@ -25,8 +25,8 @@ loaded (the same code builds them in the same order).
 `convert` returns the `HalfModel` and `to_float16` is its public form.
 """
 
+import contextlib
 import functools
-import re
 
 import keras
 import numpy as np
@@ -36,6 +36,9 @@ from kerasmp._utils.arrays import FLOAT16_MAX
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
+from kerasmp.export.arguments import check_dtype
+from kerasmp.export.arguments import check_model
+from kerasmp.export.arguments import keep_rules
 from kerasmp.export.quiet import say
 from kerasmp.policy import policy as _policy
 from kerasmp.policy.measure import measure_once
@@ -49,94 +52,6 @@ def is_container(layer):
 
 def is_graph_model(model):
     return isinstance(model, (keras.Sequential, _ki.functional_class()))
-
-
-# --------------------------------------------------------------------------
-# Argument checks
-# --------------------------------------------------------------------------
-
-
-def check_dtype(dtype, allowed, argname="dtype"):
-    if not isinstance(dtype, str) or dtype not in allowed:
-        raise ValueError(
-            f"Invalid `{argname}`: {dtype!r}. Allowed values: "
-            f"{', '.join(repr(d) for d in allowed)}."
-        )
-
-
-def check_model(model):
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "`model` must be a keras.Model (Sequential, Functional or a "
-            f"subclass). Received: {model!r} (of type "
-            f"{type(model).__name__})"
-        )
-    if not model.built or not model.weights:
-        raise ValueError(
-            f"`model` ({model.name!r}) is not built: its weights do not "
-            "exist yet, so there is nothing to export. Call it on a batch of "
-            "data or call `model.build(input_shape)` first."
-        )
-
-
-def keep_rules(model, keep_float32):
-    """The float32 rules (layer classes and name regexes) to apply."""
-    if keep_float32 is None:
-        for layer in [model] + [l for _, l in walk(model)]:
-            stored = _policy.stored_policy(layer)
-            if isinstance(stored, _policy.Policy):
-                return tuple(stored.float32_layers)
-        return tuple(_policy.DEFAULT_FLOAT32_LAYERS)
-    if isinstance(keep_float32, (str, type, re.Pattern)):
-        keep_float32 = [keep_float32]
-    try:
-        entries = list(keep_float32)
-    except TypeError:
-        raise TypeError(
-            "`keep_float32` must be None or a sequence of keras.layers.Layer "
-            "subclasses and/or regular expressions matched against layer "
-            f"names. Received: {keep_float32!r}"
-        ) from None
-    rules = tuple(
-        _policy.parse_rule(entry, argname="keep_float32") for entry in entries
-    )
-    _check_patterns_match(model, rules)
-    return rules
-
-
-_LISTED_LAYERS = 12
-"""How many of a model's layers the no-match error lists."""
-
-
-def _check_patterns_match(model, rules):
-    """Raises a ValueError for a name pattern of `rules` that matches no
-    layer of `model`, listing its layers (names and classes)."""
-    layers = [layer for _, layer in walk(model)
-              if not isinstance(layer, keras.layers.InputLayer)]
-    for rule in rules:
-        if not isinstance(rule, re.Pattern):
-            continue
-        matcher = _policy.Policy("mixed_float16", float32_layers=(rule,))
-        if any(matcher.float32_rule(layer) for layer in layers):
-            continue
-        listed = ", ".join(f"{l.name!r} ({type(l).__name__})"
-                           for l in layers[:_LISTED_LAYERS])
-        if len(layers) > _LISTED_LAYERS:
-            listed += f", and {len(layers) - _LISTED_LAYERS} more"
-        classes = {type(l).__name__: type(l) for l in layers}
-        hint = ""
-        if rule.pattern in classes:
-            cls = classes[rule.pattern]
-            name = (f"keras.layers.{rule.pattern}"
-                    if getattr(keras.layers, rule.pattern, None) is cls
-                    else "itself")
-            hint = (f"; to keep every {rule.pattern} layer, pass the class "
-                    f"{name}")
-        raise ValueError(
-            f"Invalid `keep_float32`: the pattern {rule.pattern!r} matches "
-            f"no layer of {model.name!r} (a pattern must match a whole "
-            f"layer name, case included; its layers: {listed}){hint}."
-        )
 
 
 # --------------------------------------------------------------------------
@@ -453,8 +368,6 @@ class HalfModel(keras.Model):
         the float32 copy, and TFLite, which runs only float32 graphs,
         refused the file (Flex `AddV2`, `Mul`).
         """
-        import contextlib
-
         name = self.layer_policies[0]
         if name is None:
             return contextlib.nullcontext()

@@ -76,7 +76,7 @@ def _resize_to_sizes(proto):
     graph = proto.graph
     consts = {i.name: i for i in graph.initializer}
     for n in graph.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].t:
+        if n.op_type == "Constant" and n.attribute[0].name == "value":
             consts[n.output[0]] = n.attribute[0].t
     resizes = [n for n in graph.node if n.op_type == "Resize"
                and len(n.input) == 3 and n.input[2] in consts]

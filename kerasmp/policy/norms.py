@@ -98,7 +98,8 @@ KNOWN_FLOAT16_HAZARDS = {
         "dtype: float16's spacing near 1000 is 0.5, so the phases, and the "
         "embedding, are off by up to 0.25"),
 }
-"""Class name -> why the class computes NaN/inf in float16 (float16 only)."""
+"""Class name -> why the class's own arithmetic is broken in float16: NaN or
+inf (T5's mask bias), or far off float32 (Flux's phases); float16 only."""
 
 UNDECIDED = object()
 """Returned by a rule while the layer is still being constructed."""

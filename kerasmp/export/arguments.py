@@ -1,0 +1,94 @@
+"""The checks of `export`'s and `to_float16`'s arguments: the model, the
+dtype and the `keep_float32` rules (each name pattern must match a layer),
+raised before any copy is made.
+"""
+
+import re
+
+import keras
+
+from kerasmp._utils.layers import walk
+from kerasmp.policy import policy as _policy
+
+
+def check_dtype(dtype, allowed, argname="dtype"):
+    if not isinstance(dtype, str) or dtype not in allowed:
+        raise ValueError(
+            f"Invalid `{argname}`: {dtype!r}. Allowed values: "
+            f"{', '.join(repr(d) for d in allowed)}."
+        )
+
+
+def check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model (Sequential, Functional or a "
+            f"subclass). Received: {model!r} (of type "
+            f"{type(model).__name__})"
+        )
+    if not model.built or not model.weights:
+        raise ValueError(
+            f"`model` ({model.name!r}) is not built: its weights do not "
+            "exist yet, so there is nothing to export. Call it on a batch of "
+            "data or call `model.build(input_shape)` first."
+        )
+
+
+def keep_rules(model, keep_float32):
+    """The float32 rules (layer classes and name regexes) to apply."""
+    if keep_float32 is None:
+        for layer in [model] + [l for _, l in walk(model)]:
+            stored = _policy.stored_policy(layer)
+            if isinstance(stored, _policy.Policy):
+                return tuple(stored.float32_layers)
+        return tuple(_policy.DEFAULT_FLOAT32_LAYERS)
+    if isinstance(keep_float32, (str, type, re.Pattern)):
+        keep_float32 = [keep_float32]
+    try:
+        entries = list(keep_float32)
+    except TypeError:
+        raise TypeError(
+            "`keep_float32` must be None or a sequence of keras.layers.Layer "
+            "subclasses and/or regular expressions matched against layer "
+            f"names. Received: {keep_float32!r}"
+        ) from None
+    rules = tuple(
+        _policy.parse_rule(entry, argname="keep_float32") for entry in entries
+    )
+    _check_patterns_match(model, rules)
+    return rules
+
+
+_LISTED_LAYERS = 12
+"""How many of a model's layers the no-match error lists."""
+
+
+def _check_patterns_match(model, rules):
+    """Raises a ValueError for a name pattern of `rules` that matches no
+    layer of `model`, listing its layers (names and classes)."""
+    layers = [layer for _, layer in walk(model)
+              if not isinstance(layer, keras.layers.InputLayer)]
+    for rule in rules:
+        if not isinstance(rule, re.Pattern):
+            continue
+        matcher = _policy.Policy("mixed_float16", float32_layers=(rule,))
+        if any(matcher.float32_rule(layer) for layer in layers):
+            continue
+        listed = ", ".join(f"{l.name!r} ({type(l).__name__})"
+                           for l in layers[:_LISTED_LAYERS])
+        if len(layers) > _LISTED_LAYERS:
+            listed += f", and {len(layers) - _LISTED_LAYERS} more"
+        classes = {type(l).__name__: type(l) for l in layers}
+        hint = ""
+        if rule.pattern in classes:
+            cls = classes[rule.pattern]
+            name = (f"keras.layers.{rule.pattern}"
+                    if getattr(keras.layers, rule.pattern, None) is cls
+                    else "itself")
+            hint = (f"; to keep every {rule.pattern} layer, pass the class "
+                    f"{name}")
+        raise ValueError(
+            f"Invalid `keep_float32`: the pattern {rule.pattern!r} matches "
+            f"no layer of {model.name!r} (a pattern must match a whole "
+            f"layer name, case included; its layers: {listed}){hint}."
+        )
