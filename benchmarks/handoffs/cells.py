@@ -87,6 +87,17 @@ def consumer_has_kerasmp(consumer):
     return consumer.startswith("kerasmp-")
 
 
+def one_line(exc, limit=240):
+    """`Type: first sentence` of an exception: a cell's reason."""
+    message = " ".join(str(exc).split())
+    end = message.find(". ")
+    if 0 < end < limit:
+        message = message[:end + 1]
+    elif len(message) > limit:
+        message = message[:limit - 3] + "..."
+    return f"{type(exc).__name__}: {message}"
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Cell:
     producer: str

@@ -50,10 +50,6 @@ class Refused(Exception):
     """A cell's one-line reason."""
 
 
-def one_line(exc):
-    message = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {message[:300]}"
-
 
 def _step(what, fn, *args):
     """Runs one step of a cell; anything raised refuses the cell, the step
@@ -63,7 +59,7 @@ def _step(what, fn, *args):
     except Refused:
         raise
     except Exception as e:
-        raise Refused(f"{what}: {one_line(e)}") from e
+        raise Refused(f"{what}: {cells.one_line(e)}") from e
 
 
 def _inputs(folder):
@@ -92,9 +88,9 @@ def _parity(y, reference, gate):
 
 def _dtypes_kept(model, saved):
     """Refuses a model whose layers compute in other dtypes than saved."""
-    from zoo import spec
+    from handoffs.produce import dtypes
 
-    now = {path: layer.compute_dtype for path, layer in spec.walk(model)}
+    now = dtypes(model)
     changed = {p: (d, now[p]) for p, d in saved.items()
                if p in now and now[p] != d}
     if changed:
@@ -120,6 +116,26 @@ def _trains_on(model, folder):
     return float(loss)
 
 
+def _load_all(path):
+    """`load_model(path)`, refused where Keras skips loading saved state
+    (an optimizer whose variables do not match: a resumed run would start
+    its moments again)."""
+    import warnings
+
+    import keras
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = keras.saving.load_model(path)
+    for w in caught:
+        text = " ".join(str(w.message).split())
+        if text.startswith("Skipping variable loading"):
+            raise Refused("load: " + text.split(", because")[0] + " ("
+                          + text.split(", because ")[-1].rstrip(". ")
+                          + ")")
+    return model
+
+
 def training_file(job, manifest, kerasmp):
     import keras
 
@@ -137,7 +153,7 @@ def training_file(job, manifest, kerasmp):
               "sparse_categorical_crossentropy")
         _step("load", model.load_weights, job["path"])
     else:
-        model = _step("load", keras.saving.load_model, job["path"])
+        model = _step("load", _load_all, job["path"])
         if model.optimizer is None:
             raise Refused("load: loaded without its compile state")
     out["optimizer"] = type(model.optimizer).__name__
@@ -218,8 +234,10 @@ def main(argv=None):
         except Refused as e:
             result = {"cell": f"refused: {e}"}
         except Exception as e:  # what no step named
-            result = {"cell": f"refused: {one_line(e)}"}
-        result.update(key=job["key"], seconds=round(time.time() - start, 1))
+            result = {"cell": f"refused: {cells.one_line(e)}"}
+        # `model`: the key the census's process runner files results under.
+        result.update(key=job["key"], model=job["key"],
+                      seconds=round(time.time() - start, 1))
         print("RESULT " + json.dumps(result), flush=True)
         if kerasmp is not None:
             kerasmp.set_global_policy("float32")

@@ -37,16 +37,17 @@ from handoffs import cells  # noqa: E402
 from handoffs import models  # noqa: E402
 
 
-def one_line(exc):
-    """`Type: message` on one line (the cell's reason)."""
-    message = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {message[:300]}"
-
-
-def _dtypes(model):
+def dtypes(model):
+    """`{layer path: compute dtype}` of the layers that compute: those
+    without sublayers, less the input layers (a container's or an input's
+    dtype is what a rebuild gives it, not what the model computes in)."""
+    import keras
     from zoo import spec
 
-    return {path: layer.compute_dtype for path, layer in spec.walk(model)}
+    return {path: layer.compute_dtype for path, layer in spec.walk(model)
+            if not isinstance(layer, keras.layers.InputLayer)
+            and not list(layer._flatten_layers(include_self=False,
+                                               recursive=False))}
 
 
 def _save_inputs(path, x):
@@ -61,11 +62,11 @@ def _save_inputs(path, x):
 def produce(name, folder, artifacts):
     import keras
     import numpy as np
+    from zoo import worker
 
     import kerasmp
     from kerasmp.export import export
     from kerasmp.export.inputs import input_specs
-    from zoo import worker
 
     manifest = {"model": name, "backend": keras.backend.backend(),
                 "artifacts": {}}
@@ -75,10 +76,10 @@ def produce(name, folder, artifacts):
 
     kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     model = models.build(name)
-    before = _dtypes(model)
+    before = dtypes(model)
     model.compile(keras.optimizers.Adam(1e-3),
                   "sparse_categorical_crossentropy")
-    after = _dtypes(model)
+    after = dtypes(model)
     manifest["moved"] = {p: [before[p], d] for p, d in after.items()
                          if before.get(p) != d}
     manifest["optimizer"] = type(model.optimizer).__name__
@@ -92,7 +93,7 @@ def produce(name, folder, artifacts):
     model.fit(fit_x, fit_y, batch_size=models.FIT_BATCH, epochs=1,
               shuffle=False, verbose=0, callbacks=callbacks)
     model.save(path["save"])
-    manifest["dtypes"] = _dtypes(model)
+    manifest["dtypes"] = dtypes(model)
     trained = np.asarray(model.predict(x, verbose=0), "float32")
 
     keras.config.set_dtype_policy("float32")
@@ -108,10 +109,9 @@ def produce(name, folder, artifacts):
     np.savez(os.path.join(folder, "flat.npz"),
              **worker._flat_inputs(model, x, names))
     _save_inputs(os.path.join(folder, "parity_inputs.npz"), x)
-    np.savez(os.path.join(folder, "fit.npz"), x=fit_x, y=fit_y) if not (
-        isinstance(fit_x, dict)) else np.savez(
-        os.path.join(folder, "fit.npz"), y=fit_y,
-        **{f"x_{k}": v for k, v in fit_x.items()})
+    fit = ({f"x_{k}": v for k, v in fit_x.items()}
+           if isinstance(fit_x, dict) else {"x": fit_x})
+    np.savez(os.path.join(folder, "fit.npz"), y=fit_y, **fit)
 
     for artifact in artifacts:
         fmt, dtype = cells.artifact_format(artifact)
@@ -126,7 +126,7 @@ def produce(name, folder, artifacts):
             entry = {"path": path[artifact],
                      "report_rel_diff": worker._json_float(report.rel_diff)}
         except Exception as e:  # kerasmp's refusal, or a converter's error
-            entry = {"refused": "export: " + one_line(e)}
+            entry = {"refused": "export: " + cells.one_line(e)}
         entry["seconds"] = round(time.time() - start, 1)
         manifest["artifacts"][artifact] = entry
     return manifest
