@@ -134,6 +134,7 @@ def main(argv=None):
     command = "python benchmarks/handoffs.py" + "".join(
         " " + a for a in (sys.argv[1:] if argv is None else argv))
     base = args.keep or tempfile.mkdtemp(prefix="handoffs_")
+    head = commit()  # the code that runs, before anything changes
     start = time.time()
     results, manifests = runner.run(
         chosen, base, args.produce_timeout, args.cell_timeout,
@@ -147,7 +148,7 @@ def main(argv=None):
                                                        "producers": {}}
     run = {"command": command, "date": datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(), "commit": commit(), "versions": versions(),
+        "machine": machine(), "commit": head, "versions": versions(),
         "cells": len(chosen), "seconds": seconds}
     for pkg in ("torch", "litert-torch", "onnxscript"):
         from importlib import metadata

@@ -124,8 +124,22 @@ def cells(producers=PRODUCERS, models=MODELS, artifacts=ARTIFACTS,
 
 QUICK = {
     "tensorflow": (Cell("tensorflow", "cnn", "save", "keras-tensorflow"),),
-    "jax": (Cell("jax", "cnn", "save", "keras-jax"),),
+    "jax": (Cell("jax", "cnn", "weights", "keras-jax"),),
     "torch": (Cell("torch", "cnn", "onnx-float16", "onnxruntime"),),
 }
 """The quick cells of the default suite (tests/test_handoffs.py), one per
-backend pass: the backend produces, a consumer without kerasmp reads."""
+backend pass: the backend produces (in the test's process), a consumer
+without kerasmp reads (in its own)."""
+
+SLOW = tuple(
+    [Cell(p, "cnn", a, c) for p in PRODUCERS
+     for a, c in (("save", "keras-tensorflow"),
+                  ("save", "kerasmp-tensorflow"),
+                  ("weights", "keras-tensorflow"))]
+    + [Cell(p, "cnn", f"{fmt}-float16", RUNTIMES[fmt]) for p in PRODUCERS
+       for fmt in ("savedmodel", "tflite", "onnx", "torch")])
+"""The subset of `--slow` (the whole matrix takes longer than CI's slow
+pass allows, docs/benchmarks.md): the CNN from every backend, its compiled
+`.keras` read by Keras on TensorFlow without and with kerasmp, its
+`.weights.h5` without, and its float16 export in every format read by its
+runtime (six consumer processes)."""

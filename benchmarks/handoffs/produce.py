@@ -59,7 +59,10 @@ def _save_inputs(path, x):
         np.savez(path, __single__=x)
 
 
-def produce(name, folder, artifacts):
+def produce(name, folder, artifacts=cells.ARTIFACTS):
+    """Trains model `name` under kerasmp on this process's backend and
+    writes `artifacts` into `folder`; returns (and writes) the manifest.
+    Leaves kerasmp's `mixed_float16` policy as the global policy."""
     import keras
     import numpy as np
     from zoo import worker
@@ -68,6 +71,7 @@ def produce(name, folder, artifacts):
     from kerasmp.export import export
     from kerasmp.export.inputs import input_specs
 
+    os.makedirs(folder, exist_ok=True)
     manifest = {"model": name, "backend": keras.backend.backend(),
                 "artifacts": {}}
     data = models.data(name)
@@ -129,6 +133,8 @@ def produce(name, folder, artifacts):
             entry = {"refused": "export: " + cells.one_line(e)}
         entry["seconds"] = round(time.time() - start, 1)
         manifest["artifacts"][artifact] = entry
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
     return manifest
 
 
@@ -139,10 +145,7 @@ def main(argv=None):
     parser.add_argument("--artifacts", nargs="+", default=cells.ARTIFACTS,
                         choices=cells.ARTIFACTS)
     args = parser.parse_args(argv)
-    os.makedirs(args.folder, exist_ok=True)
     manifest = produce(args.model, args.folder, args.artifacts)
-    with open(os.path.join(args.folder, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
     print("RESULT " + json.dumps(manifest), flush=True)
 
 
