@@ -2,9 +2,10 @@
 
 - `counts(cells)`: ok and refused, per producer, artifact, consumer and
   model, and every reason with its number of cells.
-- `matrix_table(data)`: docs/export.md's matrix (a row per artifact and
-  producer backend, a column per consumer; each entry the three models'
-  verdicts, reasons numbered below the table).
+- `matrix_table(data)`: docs/export.md's matrix: the Keras files (a row
+  per artifact and producer backend, a column per Keras consumer), the
+  other exports (a row per format and dtype, a column per producer
+  backend); each entry the three models' verdicts, reasons numbered below.
 - `backend_rows(data, link)`: the export rows of the backend table that
   README.md and docs/guide.md hold.
 - `write_tables(data, root)`: puts them between the files'
@@ -113,23 +114,31 @@ def matrix_table(data):
         return "; ".join(f"{w}: {', '.join(m)}" for w, m in by_word.items())
 
     keras_consumers = spec.KERAS_CONSUMERS
-    header = ["artifact", "from"] + [
-        spec.CONSUMER_NAMES[c] for c in keras_consumers] + ["its runtime"]
+    header = ["Keras file", "from"] + [
+        spec.CONSUMER_NAMES[c] for c in keras_consumers]
     rows = ["| " + " | ".join(header) + " |",
             "|" + "---|" * len(header)]
     for artifact in spec.ARTIFACTS:
-        fmt, _ = spec.artifact_format(artifact)
+        if spec.consumers_of(artifact) != keras_consumers:
+            continue
         for producer in spec.PRODUCERS:
-            row = [artifact_label(artifact), spec.BACKEND_NAMES[producer]]
-            if artifact in spec.TRAINING or fmt == "keras":
-                row += [entry(producer, artifact, c)
-                        for c in keras_consumers] + [""]
-            else:
-                consumer = spec.RUNTIMES[fmt]
-                row += [""] * len(keras_consumers) + [
-                    f"{spec.CONSUMER_NAMES[consumer]}: "
-                    + entry(producer, artifact, consumer)]
-            rows.append("| " + " | ".join(row) + " |")
+            rows.append("| " + " | ".join(
+                [artifact_label(artifact), spec.BACKEND_NAMES[producer]]
+                + [entry(producer, artifact, c) for c in keras_consumers])
+                + " |")
+    header = ["export", "read by"] + [
+        f"from {spec.BACKEND_NAMES[p]}" for p in spec.PRODUCERS]
+    rows += ["", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for artifact in spec.ARTIFACTS:
+        fmt, _ = spec.artifact_format(artifact)
+        if artifact in spec.TRAINING or fmt == "keras":
+            continue
+        consumer = spec.RUNTIMES[fmt]
+        rows.append("| " + " | ".join(
+            [artifact_label(artifact), spec.CONSUMER_NAMES[consumer]]
+            + [entry(p, artifact, consumer) for p in spec.PRODUCERS])
+            + " |")
     c = data["counts"]
     lines = rows + ["", f"{c['cells']} cells: **{c['ok']} ok, "
                         f"{c['refused']} refused** (run {data['date']}, "
