@@ -4,8 +4,8 @@ Every artifact a model trained under kerasmp leaves as (`model.save` after
 `compile`, `ModelCheckpoint`'s `.keras` and `.weights.h5`, the float16 and
 float32 `kerasmp.export.export` in every format), from each backend, for
 three models (the demo's CNN, a small transformer, a tiny keras-hub
-GPT-OSS whose router `compile` moves), read by each consumer that should
-read it (plain Keras and kerasmp on each backend, `tf.saved_model`,
+GPT-OSS whose routers kerasmp moves to float32), read by each consumer
+that should read it (plain Keras and kerasmp on each backend, `tf.saved_model`,
 onnxruntime, LiteRT, `torch.export.load`). Each cell is `ok` (it loads
 and runs, its parity is within the export gate, and a training file
 trains on) or `refused: <one line>`. `benchmarks/handoffs/cells.py` lists
@@ -74,10 +74,14 @@ def write(data, path=RESULT):
 
 
 def producer_summary(manifest):
-    """What the JSON keeps of a producer's manifest (no paths, no
-    dtypes)."""
+    """What the JSON keeps of a producer's manifest (no paths; of the
+    dtypes, the routers')."""
     out = {k: manifest[k] for k in ("seconds", "optimizer", "moved",
                                     "failed") if k in manifest}
+    # What a reloaded model must keep: the routers' dtypes (kerasmp moves
+    # them to float32 at the first call or at compile).
+    out["routers"] = {p: d for p, d in manifest.get("dtypes", {}).items()
+                      if "router" in p}
     out["artifacts"] = {
         a: {k: v for k, v in entry.items() if k != "path"}
         for a, entry in manifest.get("artifacts", {}).items()}

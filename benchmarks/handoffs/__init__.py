@@ -8,7 +8,7 @@ that should read it.
   model), the consumers of each artifact, the quick cells. Imports
   neither Keras nor kerasmp.
 - `models`: the three models (the demo's CNN, a small transformer, a tiny
-  keras-hub GPT-OSS whose MoE router `compile` moves to float32), their
+  keras-hub GPT-OSS whose MoE routers kerasmp moves to float32), their
   inputs and labels. Imports no kerasmp: a consumer without it rebuilds
   them for a `.weights.h5`.
 - `produce`: one producer backend and model in its own process: trains

@@ -11,8 +11,9 @@ are imported inside the functions.
   pooling, a softmax over 10 classes.
 - `gpt_oss`: keras-hub's `GptOssBackbone` at the census's tiny config
   (`benchmarks/zoo/hub.py`, keras-hub's own test numbers), whose MoE
-  router kerasmp's `compile` measures and moves to float32, under mean
-  pooling and a softmax over 10 classes.
+  routers kerasmp measures and moves to float32 (at the model's first
+  call, here its construction; else at `compile`), under mean pooling
+  and a softmax over 10 classes.
 """
 
 import os
