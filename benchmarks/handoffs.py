@@ -112,6 +112,9 @@ def main(argv=None):
                              "handoffs.json)")
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="write the artifacts in DIR and keep them")
+    parser.add_argument("--reuse", default=None, metavar="DIR",
+                        help="take the artifacts of an earlier --keep DIR "
+                             "instead of producing them again")
     parser.add_argument("--render", action="store_true",
                         help="only write the tables from the JSON")
     parser.add_argument("--check", action="store_true",
@@ -140,9 +143,17 @@ def main(argv=None):
     base = args.keep or tempfile.mkdtemp(prefix="handoffs_")
     head = commit()  # the code that runs, before anything changes
     start = time.time()
+    reused = {}
+    if args.reuse:  # the producers' folders of an earlier `--keep DIR`
+        for p in args.producers:
+            for m in args.models:
+                path = os.path.join(args.reuse, p, m, "manifest.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        reused[f"{p}/{m}"] = json.load(f)
     results, manifests = runner.run(
         chosen, base, args.produce_timeout, args.cell_timeout,
-        log=lambda line: print(line, flush=True))
+        log=lambda line: print(line, flush=True), manifests=reused)
     seconds = round(time.time() - start, 1)
     if not args.keep:
         subprocess.run(["rm", "-rf", base], check=False)
@@ -153,7 +164,7 @@ def main(argv=None):
     run = {"command": command, "date": datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(), "commit": head, "versions": versions(),
-        "cells": len(chosen), "seconds": seconds}
+        "cell_count": len(chosen), "seconds": seconds}
     for pkg in ("torch", "litert-torch", "onnxscript"):
         from importlib import metadata
 
