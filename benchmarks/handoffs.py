@@ -88,6 +88,29 @@ def producer_summary(manifest):
     return out
 
 
+def merge(paths, out):
+    """Writes the JSON at `out` from parts (each a run of some cells):
+    their cells, details and producers; the runs listed; the date,
+    machine, versions and commit of the last, the seconds summed."""
+    data = {"cells": {}, "details": {}, "producers": {}, "runs": []}
+    for path in paths:
+        part = load(path)
+        for key in ("cells", "details", "producers"):
+            data[key].update(part[key])
+        data["runs"] += part["runs"]
+    last = data["runs"][-1]
+    data.update({k: last[k] for k in ("date", "machine", "commit",
+                                      "versions")})
+    data["command"] = " && ".join(r["command"] for r in data["runs"])
+    data["seconds"] = round(sum(r["seconds"] for r in data["runs"]), 1)
+    order = {c.key: i for i, c in enumerate(spec.cells())}
+    data["cells"] = dict(sorted(data["cells"].items(),
+                                key=lambda kv: order.get(kv[0], 1e9)))
+    data["counts"] = report.counts(data["cells"])
+    write(data, out)
+    return data
+
+
 def main(argv=None):
     from zoo_census import machine
     from zoo_census import versions
@@ -115,6 +138,9 @@ def main(argv=None):
     parser.add_argument("--reuse", default=None, metavar="DIR",
                         help="take the artifacts of an earlier --keep DIR "
                              "instead of producing them again")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="one JSON of the parts' (runs of some "
+                             "consumers each, with --results), then tables")
     parser.add_argument("--render", action="store_true",
                         help="only write the tables from the JSON")
     parser.add_argument("--check", action="store_true",
@@ -124,6 +150,13 @@ def main(argv=None):
     parser.add_argument("--nice", type=int, default=10)
     args = parser.parse_args(argv)
 
+    if args.merge:
+        merged = merge(args.merge, args.results)
+        print(report.text_summary(merged))
+        if args.results == RESULT:
+            for path in report.write_tables(merged, ROOT):
+                print(f"wrote: {path}")
+        return 0
     if args.render or args.check:
         data = load(args.results)
         if data is None:
