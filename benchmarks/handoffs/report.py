@@ -36,6 +36,10 @@ ROW_LABELS = (
 replaces every row that begins so)."""
 
 
+NOT_RUN = "refused: not run"
+"""A cell the JSON lacks: never counted as ok."""
+
+
 def verdict(value):
     return "ok" if value == "ok" else "refused"
 
@@ -184,9 +188,9 @@ def backend_rows(data, link):
     cells = data["cells"]
 
     def values(producer, artifacts, consumers):
-        return [cells[key] for key in (
+        return [cells.get(key, NOT_RUN) for key in (
             spec.Cell(producer, m, a, c).key for m in spec.MODELS
-            for a in artifacts for c in consumers) if key in cells]
+            for a in artifacts for c in consumers)]
 
     rows = []
     formats = []
@@ -194,8 +198,8 @@ def backend_rows(data, link):
         names = []
         for fmt in spec.FORMATS:
             artifacts = [f"{fmt}-{d}" for d in spec.EXPORT_DTYPES]
-            got = [cells[c.key] for c in spec.cells(
-                (producer,), spec.MODELS, artifacts) if c.key in cells]
+            got = [cells.get(c.key, NOT_RUN) for c in spec.cells(
+                (producer,), spec.MODELS, artifacts)]
             ok = sum(v == "ok" for v in got)
             label = fmt + (" (`.pt2`)" if fmt == "torch" else "")
             if got and ok == len(got):
