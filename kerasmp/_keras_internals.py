@@ -375,3 +375,16 @@ def callback_model(callback):
     `Callback.model` property), which writes a running fit's whole state
     back into the variables and makes the next step re-read them all."""
     return callback._model
+
+
+def jax_coordination_client():
+    """The key-value store of JAX's distributed runtime (the coordination
+    service that `jax.distributed.initialize` connects to: `key_value_set`,
+    `blocking_key_value_get`), or None outside a multi-process run.
+
+    It reaches every process over its own channel, not the devices'
+    collectives, so a message never pairs with another process's collective
+    (JAX's `device_put` of each variable is one, a process_allgather)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

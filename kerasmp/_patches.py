@@ -77,6 +77,8 @@ from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import hand_back
 from kerasmp.policy.policy import handoff_dtype
 from kerasmp.policy.workers import check_workers_agree
+from kerasmp.policy.workers import describe_loss_scale
+from kerasmp.policy.workers import loss_scale_settings
 
 _originals = {}  # what install() replaced, for uninstall()
 
@@ -217,33 +219,66 @@ def _compile(self, *args, **kwargs):
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
     measure_once(self)
     plan = build_plan(self)
-    if not plan.governed:
-        result = original(self, *args, **kwargs)
-        _train_step.install(self)
-        return result
-    assign_layers(self, plan.float8)  # float8 policies: the rule's layers
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
-    optimizer = keras.optimizers.get(arguments["optimizer"])
-    if _is_stock_loss_scale_optimizer(optimizer):
-        # The TensorFlow guide's optimizer: same inner optimizer and
-        # settings, kerasmp's bounded scale and skipped-step undo.
-        optimizer = LossScaleOptimizer(optimizer)
-        _stock_policy.say_stock_optimizer_replaced()
-    elif (arguments["auto_scale_loss"] and plan.needs_loss_scaling
-          and optimizer is not None
-          and not isinstance(optimizer, LossScaleOptimizer)):
-        optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    optimizer = arguments["optimizer"]
+    if optimizer is not None:
+        optimizer = arguments["optimizer"] = keras.optimizers.get(optimizer)
+    wrap = plan.governed and (
+        _is_stock_loss_scale_optimizer(optimizer)
+        or (arguments["auto_scale_loss"] and plan.needs_loss_scaling
+            and optimizer is not None
+            and not isinstance(optimizer, LossScaleOptimizer))
+    )
+    # Every worker of a multi-worker job compiles: check there that they
+    # all train with the same precision settings (a no-op in one process),
+    # before anything below creates a variable (under a JAX distribution,
+    # each is a collective: a worker that made a LossScaleOptimizer the
+    # others did not would leave its collectives out of step).
+    check_workers_agree(
+        self, plan=plan,
+        loss_scale=_loss_scale_settings(self, optimizer, wrap, arguments),
+    )
+    if not plan.governed:
+        result = original(*bound.args, **bound.kwargs)
+        _train_step.install(self)
+        return result
+    assign_layers(self, plan.float8)  # float8 policies: the rule's layers
+    if wrap:
+        if _is_stock_loss_scale_optimizer(optimizer):
+            # The TensorFlow guide's optimizer: same inner optimizer and
+            # settings, kerasmp's bounded scale and skipped-step undo.
+            _stock_policy.say_stock_optimizer_replaced()
+            optimizer = LossScaleOptimizer(optimizer)
+        else:
+            optimizer = LossScaleOptimizer(
+                optimizer, name="loss_scale_optimizer"
+            )
     arguments["optimizer"] = optimizer
     # kerasmp has decided; keep stock Keras's name-based rule out of it.
     arguments["auto_scale_loss"] = False
     result = original(*bound.args, **bound.kwargs)
     _train_step.install(self)
-    # Every worker of a multi-worker job compiles: check there that they
-    # all train with the same precision settings (a no-op in one process).
-    check_workers_agree(self, plan=plan)
     return result
+
+
+def _loss_scale_settings(model, optimizer, wrap, arguments):
+    """The loss-scaling settings `compile` is about to give `model`, for
+    the workers' check: those of the optimizer kerasmp makes (`wrap`), of
+    the one given, or of stock Keras's rule (an ungoverned model), without
+    making any."""
+    if wrap:
+        return describe_loss_scale(
+            LossScaleOptimizer.__name__,
+            LossScaleOptimizer.settings_for(optimizer),
+        )
+    settings = loss_scale_settings(optimizer)
+    if (settings is None and optimizer is not None
+            and arguments["auto_scale_loss"]
+            and model.dtype_policy.name == "mixed_float16"):
+        return {"class": "keras.optimizers.LossScaleOptimizer"}
+    return settings
 
 
 # ------------------------------------------------- 5. attention on a CPU

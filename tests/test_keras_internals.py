@@ -438,6 +438,46 @@ def test_jax_unsynced_state_is_the_running_fit_state():
         model.trainable_variables[0].value))
 
 
+def test_jax_coordination_client_is_a_key_value_store(tmp_path):
+    # A fresh process (jax.distributed.initialize is once per process), one
+    # process of one: the client exists, a value set is read back, and a
+    # missing key times out instead of blocking.
+    pytest.importorskip("jax")
+    import subprocess
+    import sys
+
+    from _helpers import free_ports
+    from _helpers import subprocess_env
+
+    script = tmp_path / "kv.py"
+    script.write_text(
+        "import sys, time, jax\n"
+        "from kerasmp import _keras_internals as ki\n"
+        "assert ki.jax_coordination_client() is None\n"
+        "jax.distributed.initialize(\n"
+        "    coordinator_address=f'127.0.0.1:{sys.argv[1]}',\n"
+        "    num_processes=1, process_id=0)\n"
+        "client = ki.jax_coordination_client()\n"
+        "client.key_value_set('kerasmp/test/0', 'settings')\n"
+        "got = client.blocking_key_value_get('kerasmp/test/0', 1000)\n"
+        "start = time.time()\n"
+        "try:\n"
+        "    client.blocking_key_value_get('kerasmp/test/1', 200)\n"
+        "    late = 'no timeout'\n"
+        "except Exception as e:\n"
+        "    late = 'DEADLINE_EXCEEDED' in str(e) and time.time() - start\n"
+        "print('RESULT', got, late < 30)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), str(free_ports(1)[0])],
+        capture_output=True, text=True, timeout=120,
+        env=subprocess_env("jax"),
+    )
+    assert "RESULT settings True" in out.stdout, (
+        _changed("the JAX coordination service client") + out.stderr[-2000:]
+    )
+
+
 def test_jax_step_batches_splits_an_execution_into_steps():
     if keras.backend.backend() != "jax":
         pytest.skip("the JAX trainer's iterator")

@@ -15,6 +15,7 @@ ops) and assigns the results; the JAX path (`stateless_apply`, also used by
 """
 
 import dataclasses
+import inspect
 import numbers
 
 import keras
@@ -123,16 +124,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name=None,
         **kwargs,
     ):
-        if _is_stock(inner_optimizer):
-            stock = inner_optimizer
-            inner_optimizer = stock.inner_optimizer
-            if initial_scale is DEFAULT_INITIAL_SCALE:
-                initial_scale = _current_scale(stock)
-            if dynamic_growth_steps is DEFAULT_GROWTH_STEPS:
-                dynamic_growth_steps = stock.dynamic_growth_steps
-            name = stock.name if name is None else name
-        auto = isinstance(initial_scale, str) and initial_scale == AUTO
-        initial_scale = validate(
+        inner_optimizer, settings, name = _settings(
             inner_optimizer,
             initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps,
@@ -143,22 +135,47 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             min_scale=min_scale,
             max_scale=max_scale,
             dynamic=dynamic,
+            name=name,
         )
         super().__init__(
             inner_optimizer,
-            initial_scale=initial_scale,
-            dynamic_growth_steps=int(dynamic_growth_steps),
+            initial_scale=settings["initial_scale"],
+            dynamic_growth_steps=settings["dynamic_growth_steps"],
             name=name,
             **kwargs,
         )
-        self.auto = auto
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.hysteresis = int(hysteresis)
-        self.consecutive_hysteresis = bool(consecutive_hysteresis)
-        self.min_scale = float(min_scale)
-        self.max_scale = None if max_scale is None else float(max_scale)
-        self.dynamic = bool(dynamic)
+        for key, value in settings.items():
+            setattr(self, key, value)
+
+    @classmethod
+    def settings_for(cls, optimizer):
+        """The settings of `LossScaleOptimizer(optimizer)`, without making
+        it (making an optimizer creates variables: under a distribution,
+        collectives): `{attribute: value}` for `auto`, `initial_scale`,
+        `dynamic_growth_steps`, `growth_factor`, `backoff_factor`,
+        `hysteresis`, `consecutive_hysteresis`, `min_scale`, `max_scale`,
+        `dynamic`. For a kerasmp `LossScaleOptimizer`, its own.
+
+        Args:
+            optimizer: a Keras optimizer (or Keras's own
+                `LossScaleOptimizer`, whose scale and interval are kept).
+
+        Example:
+
+        >>> settings = LossScaleOptimizer.settings_for(keras.optimizers.SGD())
+        >>> settings["hysteresis"], settings["max_scale"]
+        (1, 16777216.0)
+        """
+        if isinstance(optimizer, cls):
+            return {key: getattr(optimizer, key) for key in _SETTINGS}
+        defaults = {
+            key: parameter.default
+            for key, parameter in inspect.signature(
+                cls.__init__
+            ).parameters.items()
+            if parameter.default is not parameter.empty
+        }
+        return _settings(optimizer, **defaults)[1]
 
     # ------------------------------------------------------------------ state
 
@@ -524,6 +541,64 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 config["max_scale"] = initial
         return super().from_config(config, custom_objects=custom_objects)
 
+
+
+_SETTINGS = ("auto", "initial_scale", "dynamic_growth_steps",
+             "growth_factor", "backoff_factor", "hysteresis",
+             "consecutive_hysteresis", "min_scale", "max_scale", "dynamic")
+
+
+def _settings(
+    inner_optimizer,
+    *,
+    initial_scale,
+    dynamic_growth_steps,
+    growth_factor,
+    backoff_factor,
+    hysteresis,
+    consecutive_hysteresis,
+    min_scale,
+    max_scale,
+    dynamic,
+    name,
+):
+    """`LossScaleOptimizer`'s arguments, checked and resolved:
+    `(inner_optimizer, {attribute: value}, name)` (a stock
+    LossScaleOptimizer gives its inner optimizer, scale and interval)."""
+    if _is_stock(inner_optimizer):
+        stock = inner_optimizer
+        inner_optimizer = stock.inner_optimizer
+        if initial_scale is DEFAULT_INITIAL_SCALE:
+            initial_scale = _current_scale(stock)
+        if dynamic_growth_steps is DEFAULT_GROWTH_STEPS:
+            dynamic_growth_steps = stock.dynamic_growth_steps
+        name = stock.name if name is None else name
+    auto = isinstance(initial_scale, str) and initial_scale == AUTO
+    initial_scale = validate(
+        inner_optimizer,
+        initial_scale=initial_scale,
+        dynamic_growth_steps=dynamic_growth_steps,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        dynamic=dynamic,
+    )
+    settings = {
+        "auto": auto,
+        "initial_scale": initial_scale,
+        "dynamic_growth_steps": int(dynamic_growth_steps),
+        "growth_factor": float(growth_factor),
+        "backoff_factor": float(backoff_factor),
+        "hysteresis": int(hysteresis),
+        "consecutive_hysteresis": bool(consecutive_hysteresis),
+        "min_scale": float(min_scale),
+        "max_scale": None if max_scale is None else float(max_scale),
+        "dynamic": bool(dynamic),
+    }
+    return inner_optimizer, settings, name
 
 
 def _no_op():
