@@ -108,15 +108,16 @@ class Policy(keras.DTypePolicy):
     """A `keras.DTypePolicy` that keeps fragile layers in float32.
 
     Layers governed by this policy compute in the policy's compute dtype,
-    except the layers matched by `float32_layers`, which compute in float32
-    with float32 variables. Inside a model such a layer hands its output on
-    in the policy's compute dtype, so it composes with the half-precision
-    tensors around it (a post-LN residual `x + norm(x)` works); the outputs
-    of the model itself (or of an overridden layer called on its own) are
-    the float32 values, so the probabilities that reach a loss are float32.
-    A layer is governed by the policy when it was built with `dtype=None`
-    while this policy was global, or was handed this policy by its parent
-    layer. A layer built with any other explicit
+    except the layers its rules match (the built-in ones,
+    `DEFAULT_FLOAT32_LAYERS`, and those added in `float32_layers`), which
+    compute in float32 with float32 variables. Inside a model such a layer
+    hands its output on in the policy's compute dtype, so it composes with
+    the half-precision tensors around it (a post-LN residual `x + norm(x)`
+    works); the outputs of the model itself (or of an overridden layer
+    called on its own) are the float32 values, so the probabilities that
+    reach a loss are float32. A layer is governed by the policy when it was
+    built with `dtype=None` while this policy was global, or was handed
+    this policy by its parent layer. A layer built with any other explicit
     `dtype=` keeps that dtype.
 
     Args:
@@ -164,6 +165,11 @@ class Policy(keras.DTypePolicy):
     ...     def call(self, x):
     ...         return x * keras.ops.rsqrt(keras.ops.mean(x * x, -1, True))
     >>> RMSNorm().compute_dtype  # normalization by name
+    'float32'
+    >>> policy = kerasmp.Policy("mixed_float16", float32_layers=["logits"])
+    >>> keras.layers.Dense(4, name="logits", dtype=policy).compute_dtype
+    'float32'
+    >>> keras.layers.Softmax(dtype=policy).compute_dtype  # built-in rule
     'float32'
     >>> kerasmp.set_global_policy("float32")
     """
