@@ -94,7 +94,8 @@ def test_a_policy_set_after_the_model_was_built_warns_at_compile():
     reference = _model("reference")
     assert reference.get_layer("hidden").compute_dtype == "float16"
     assert model.get_layer("hidden").compute_dtype == "float32"
-    assert type(model.optimizer) is keras.optimizers.Adam
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+    assert not isinstance(model.optimizer, kerasmp.LossScaleOptimizer)
     policy_warnings = _policy_warnings(caught)
     assert len(policy_warnings) == 1
     message = str(policy_warnings[0].message)
