@@ -32,7 +32,10 @@ from `kerasmp._keras_internals`:
    float16, a plain optimizer is wrapped once in
    `kerasmp.LossScaleOptimizer`; bfloat16 and float32
    models get no loss scaling, and `compile(..., auto_scale_loss=False)`
-   turns it off as in stock Keras. Before that, once per model, one symbolic
+   turns it off as in stock Keras. It warns once per model when a name
+   pattern of the policy matches no layer, or when the global policy is a
+   half-precision kerasmp policy set after the model was built
+   (`kerasmp.policy.advice`). Before that, once per model, one symbolic
    run finds the layers that fail in half precision and the MoE routers,
    and moves them to float32 (`kerasmp.policy.measure`); the outermost
    call of a model (`Layer.__call__`, above) measures it first if it is
@@ -68,6 +71,7 @@ from kerasmp import _keras_internals as _ki
 from kerasmp import train_step as _train_step
 from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
+from kerasmp.policy import advice as _policy_advice
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
 from kerasmp.policy.measure import measure_once
@@ -219,6 +223,7 @@ def _compile(self, *args, **kwargs):
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
     measure_once(self)
     plan = build_plan(self)
+    _policy_advice.warn_about_policy(self, plan)  # unmatched, set too late
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments

@@ -86,6 +86,7 @@ def test_dtype_policy_descriptor_reaches_nested_layers():
     policy = kerasmp.Policy(
         "mixed_float16",
         float32_layers=[keras.layers.Softmax, keras.layers.LayerNormalization],
+        float32_defaults=False,
     )
     with kerasmp.policy_scope(policy):
         mha = keras.layers.MultiHeadAttention(2, 4, name="mha")

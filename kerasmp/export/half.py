@@ -89,7 +89,8 @@ def decide(model, dtype, rules):
     """
     if dtype == "float32":
         return {}, set()
-    rule_policy = _policy.Policy(dtype, float32_layers=rules)
+    rule_policy = _policy.Policy(dtype, float32_layers=rules,
+                                 float32_defaults=False)
     kept, out_of_range = {}, set()
     ancestors = {}
     layers = list(walk(model))

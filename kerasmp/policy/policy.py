@@ -43,6 +43,7 @@ from kerasmp.policy.rules import rule_from_config
 from kerasmp.policy.rules import rule_name
 from kerasmp.policy.rules import rule_sequence
 from kerasmp.policy.rules import rule_to_config
+from kerasmp.policy.rules import with_defaults
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
                 "float32", "float64") + tuple(FLOAT8_NAMES)
@@ -107,46 +108,50 @@ class Policy(keras.DTypePolicy):
     """A `keras.DTypePolicy` that keeps fragile layers in float32.
 
     Layers governed by this policy compute in the policy's compute dtype,
-    except the layers matched by `float32_layers`, which compute in float32
-    with float32 variables. Inside a model such a layer hands its output on
-    in the policy's compute dtype, so it composes with the half-precision
-    tensors around it (a post-LN residual `x + norm(x)` works); the outputs
-    of the model itself (or of an overridden layer called on its own) are
-    the float32 values, so the probabilities that reach a loss are float32.
-    A layer is governed by the policy when it was built with `dtype=None`
-    while this policy was global, or was handed this policy by its parent
-    layer. A layer built with any other explicit
+    except the layers its rules match (the built-in ones,
+    `DEFAULT_FLOAT32_LAYERS`, and those added in `float32_layers`), which
+    compute in float32 with float32 variables. Inside a model such a layer
+    hands its output on in the policy's compute dtype, so it composes with
+    the half-precision tensors around it (a post-LN residual `x + norm(x)`
+    works); the outputs of the model itself (or of an overridden layer
+    called on its own) are the float32 values, so the probabilities that
+    reach a loss are float32. A layer is governed by the policy when it was
+    built with `dtype=None` while this policy was global, or was handed
+    this policy by its parent layer. A layer built with any other explicit
     `dtype=` keeps that dtype.
 
     Args:
         name: The policy name, any name `keras.DTypePolicy` accepts for a
             floating-point policy: `"mixed_float16"`, `"mixed_bfloat16"`,
             `"float16"`, `"bfloat16"`, `"float32"` or `"float64"`.
-        float32_layers: A sequence of rules: `keras.layers.Layer`
-            subclasses, regular expressions, predicates and kerasmp's
-            built-in rules. A layer matches when it is an instance of one of
-            the classes, when a regular expression matches its whole `name`
-            (`re.fullmatch`), when a predicate (a module-level function of
-            the layer, called once the layer is constructed) returns True,
-            or when a built-in rule matches it. `keras.layers.Softmax` also
-            matches layers whose `activation` is softmax or log_softmax.
-            Defaults to `DEFAULT_FLOAT32_LAYERS`: softmax, every Keras
-            normalization layer, `NORMALIZATION_BY_NAME` (normalizations
-            that model libraries and users define, such as keras-hub's
-            `T5LayerNorm` or a `class RMSNorm(keras.layers.Layer)`) and
-            `KNOWN_FLOAT16_HAZARDS`. Add to it with
-            `[*kerasmp.DEFAULT_FLOAT32_LAYERS, MyLayer]`; pass `()` for no
-            overrides.
+        float32_layers: A sequence of rules to add to the built-in ones:
+            `keras.layers.Layer` subclasses, regular expressions, predicates
+            and kerasmp's built-in rules. A layer matches when it is an
+            instance of one of the classes, when a regular expression
+            matches its whole `name` (`re.fullmatch`), when a predicate (a
+            module-level function of the layer, called once the layer is
+            constructed) returns True, or when a built-in rule matches it.
+            `keras.layers.Softmax` also matches layers whose `activation` is
+            softmax or log_softmax. Defaults to `()`: the built-in rules
+            only.
         float32_exclude: A sequence of layer classes, regular expressions
             and predicates (as in `float32_layers`): a layer they match is
-            never put in float32 by `float32_layers`, whatever rule would
-            match it. Defaults to `()`.
+            never put in float32 by a rule, built-in or not. Defaults to
+            `()`.
         float8: For the float8 names only (`"float8_mixed_bfloat16"`,
             `"float8_mixed_float16"`): a `kerasmp.float8.Float8Rule` saying
             which Dense/EinsumDense layers train in Keras's float8 mode
             (assigned at `compile`, see `kerasmp.float8`). Defaults to
             `Float8Rule()`. Every other layer computes as under the base
             policy (`"mixed_bfloat16"` / `"mixed_float16"`).
+        float32_defaults: Whether the built-in rules,
+            `DEFAULT_FLOAT32_LAYERS`, apply besides `float32_layers`:
+            softmax, every Keras normalization layer,
+            `NORMALIZATION_BY_NAME` (normalizations that model libraries and
+            users define, such as keras-hub's `T5LayerNorm` or a
+            `class RMSNorm(keras.layers.Layer)`) and `KNOWN_FLOAT16_HAZARDS`.
+            Defaults to True. With False, `float32_layers` is the whole list:
+            pass the built-in rules to keep in it (`()` for no rules).
 
     Example:
 
@@ -161,12 +166,16 @@ class Policy(keras.DTypePolicy):
     ...         return x * keras.ops.rsqrt(keras.ops.mean(x * x, -1, True))
     >>> RMSNorm().compute_dtype  # normalization by name
     'float32'
+    >>> policy = kerasmp.Policy("mixed_float16", float32_layers=["logits"])
+    >>> keras.layers.Dense(4, name="logits", dtype=policy).compute_dtype
+    'float32'
+    >>> keras.layers.Softmax(dtype=policy).compute_dtype  # built-in rule
+    'float32'
     >>> kerasmp.set_global_policy("float32")
     """
 
-    def __init__(self, name="mixed_float16",
-                 float32_layers=DEFAULT_FLOAT32_LAYERS, float32_exclude=(),
-                 float8=None):
+    def __init__(self, name="mixed_float16", float32_layers=(),
+                 float32_exclude=(), float8=None, float32_defaults=True):
         if not isinstance(name, str) or name not in _FLOAT_NAMES:
             raise ValueError(
                 f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
@@ -185,6 +194,13 @@ class Policy(keras.DTypePolicy):
                 "`float32_layers` must be a sequence of layer classes and/or "
                 f"regular expressions. Received: {float32_layers!r}"
             ) from None
+        if not isinstance(float32_defaults, bool):
+            raise ValueError(
+                "Invalid `float32_defaults` for kerasmp.Policy: "
+                f"{float32_defaults!r}. Allowed values: True (the built-in "
+                "rules, DEFAULT_FLOAT32_LAYERS, apply besides "
+                "`float32_layers`), False (`float32_layers` alone)."
+            )
         excludes = rule_sequence(float32_exclude, "float32_exclude")
         for entry in excludes:
             if isinstance(entry, (BuiltinRule,
@@ -192,7 +208,8 @@ class Policy(keras.DTypePolicy):
                 raise TypeError(
                     "Invalid `float32_exclude` entry: expected a layer "
                     "class, a regular expression or a predicate. To drop a "
-                    "built-in rule, leave it out of `float32_layers`. "
+                    "built-in rule, pass `float32_defaults=False` and list "
+                    "the rules to keep in `float32_layers`. "
                     f"Received: {entry!r}"
                 )
         self._float8 = rule_for(name, float8)
@@ -200,7 +217,8 @@ class Policy(keras.DTypePolicy):
         self._rules = tuple(
             Exclude(parse_rule(r, "float32_exclude"))
             for r in excludes
-        ) + tuple(parse_rule(r) for r in rules)
+        ) + with_defaults(tuple(parse_rule(r) for r in rules),
+                          DEFAULT_FLOAT32_LAYERS, float32_defaults)
         self._matchers = {
             r.pattern: NameMatcher(r.pattern)
             for r in (getattr(r, "rule", r) for r in self._rules)
@@ -228,10 +246,11 @@ class Policy(keras.DTypePolicy):
 
     @property
     def float32_layers(self):
-        """The rules: layer classes, compiled regexes, predicates and
-        built-in rules, after the `float32_exclude` entries (each wrapped
-        so that `Policy(name, float32_layers=p.float32_layers)` excludes
-        the same layers)."""
+        """Every rule the policy applies, built-in ones included: layer
+        classes, compiled regexes, predicates and built-in rules, after the
+        `float32_exclude` entries (each wrapped so that
+        `Policy(name, float32_layers=p.float32_layers,
+        float32_defaults=False)` is the same policy)."""
         return self._rules
 
     @property
@@ -329,6 +348,10 @@ class Policy(keras.DTypePolicy):
         return self._overrides[rule]
 
     def get_config(self):
+        # The whole list, built-in rules included, as every kerasmp wrote
+        # it: `from_config` reads a saved list as all the rules
+        # (`float32_defaults=False`), so a file computes what it did when
+        # saved, and older kerasmp versions still read it.
         rules = [rule_to_config(rule) for rule in self._rules]
         config = {"name": self.name, "float32_layers": rules}
         if self._float8 is not None:
@@ -345,6 +368,9 @@ class Policy(keras.DTypePolicy):
             raise ValueError(
                 f"Invalid `float32_layers` in a saved policy: {rules!r:.200}")
         parsed = [rule_from_config(r) for r in rules]
+        # A saved list holds every rule (`get_config`): it replaces the
+        # built-in ones, as it did when it was saved.
+        config.setdefault("float32_defaults", False)
         return cls(float32_layers=parsed, **config)
 
     def __eq__(self, other):

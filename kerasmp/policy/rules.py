@@ -13,6 +13,8 @@ import sys
 import keras
 
 from kerasmp._utils.namematch import NameMatcher
+from kerasmp._utils.warn import warn
+from kerasmp.errors import PolicyWarning
 from kerasmp.policy.norms import BUILTIN_RULES
 from kerasmp.policy.norms import BuiltinRule
 from kerasmp.policy.norms import Exclude
@@ -178,6 +180,44 @@ def _class_from_config(config):
             "that defines it before loading."
         )
     return cls
+
+
+_BUILTIN_NAMES = {"normalization_by_name": "NORMALIZATION_BY_NAME",
+                  "known_float16_hazards": "KNOWN_FLOAT16_HAZARDS"}
+
+
+def default_rule_name(rule):
+    """How the docs name a rule of `DEFAULT_FLOAT32_LAYERS`."""
+    if isinstance(rule, BuiltinRule):
+        return _BUILTIN_NAMES.get(rule.key, rule.key)
+    if isinstance(rule, type) and getattr(keras.layers, rule.__name__,
+                                          None) is rule:
+        return f"keras.layers.{rule.__name__}"
+    return rule_name(rule)
+
+
+def with_defaults(rules, defaults, use_defaults):
+    """A policy's rules: `rules`, then the built-in `defaults` that `rules`
+    does not hold (`rules` alone when `use_defaults` is False).
+
+    A list that holds some of the defaults but not all was written for
+    kerasmp 0.1.0, where `float32_layers` replaced the defaults, to drop
+    the others: they now stay, and a `PolicyWarning` says so.
+    """
+    if not use_defaults:
+        return rules
+    missing = tuple(d for d in defaults if d not in rules)
+    if missing and len(missing) < len(defaults):
+        names = ", ".join(default_rule_name(d) for d in missing)
+        warn(
+            f"kerasmp.Policy: `float32_layers` lists some of the built-in "
+            f"rules (kerasmp.DEFAULT_FLOAT32_LAYERS) but not {names}; "
+            "they still apply, since `float32_layers` adds to the built-in "
+            "rules. To drop them, pass `float32_defaults=False` with the "
+            "list of the rules to keep.",
+            PolicyWarning,
+        )
+    return rules + missing
 
 
 def rule_sequence(value, argname):

@@ -170,7 +170,8 @@ def test_workers_with_different_settings_all_raise_the_same_error(
 
 def test_settings_of_one_worker_and_no_op_without_a_strategy():
     with kerasmp.policy_scope(
-        kerasmp.Policy("mixed_float16", float32_layers=["head"])
+        kerasmp.Policy("mixed_float16", float32_layers=["head"],
+                       float32_defaults=False)
     ):
         model = single_dense(4, 1, name="head")
     model.compile(
