@@ -430,7 +430,7 @@ def half_weights(flat):
     halves = {}  # float32 buffer -> its float16 buffer (or None: kept)
     for graph in model.subgraphs or []:
         ops = []
-        inputs = set(np.asarray(graph.inputs).tolist())
+        inputs = set(np.asarray(graph.inputs or [], int).tolist())
         for index, tensor in enumerate(list(graph.tensors or [])):
             buffer = model.buffers[tensor.buffer] if tensor.buffer else None
             if (tensor.type != float32 or buffer is None or tensor.isVariable

@@ -164,3 +164,38 @@ def test_the_demo_cnn_through_the_command(tmp_path, capsys):
     assert _rel(np.asarray(served["y"]), want[:9]) <= 2e-2
     assert np.array_equal(np.argmax(served["y"], -1), np.argmax(want[:9], -1))
     assert served["float16_tensors"] >= 4  # two convolutions, two Dense
+
+
+def test_half_weights_keeps_what_float16_cannot_hold(tmp_path):
+    """A constant beyond float16's range (1e5) or one that rounds to zero
+    there (1e-9) stays float32; the others are stored in float16."""
+    litert_torch = pytest.importorskip("litert_torch")
+    pytest.importorskip("ai_edge_litert")
+    import torch
+    from ai_edge_litert.interpreter import Interpreter
+
+    from kerasmp.export.tflite import half_weights
+
+    rng = np.random.default_rng(4)
+    normal = rng.normal(0, 1, (8, 8)).astype("float32")
+    large = np.full((8,), 1e5, "float32")
+    tiny = np.full((8,), 1e-9, "float32")
+
+    class Module(torch.nn.Module):
+        def forward(self, x):
+            return (x @ torch.from_numpy(normal) + torch.from_numpy(large),
+                    x * torch.from_numpy(tiny))
+
+    x = rng.normal(0, 1, (1, 8)).astype("float32")
+    edge = litert_torch.convert(Module().eval(),
+                                sample_kwargs={"x": torch.from_numpy(x)})
+    edge.export(str(tmp_path / "m.tflite"))
+    flat = half_weights((tmp_path / "m.tflite").read_bytes())
+    interpreter = Interpreter(model_content=flat)
+    kinds = {t["dtype"].__name__ for t in interpreter.get_tensor_details()}
+    got = interpreter.get_signature_runner("serving_default")(x=x)
+    assert "float16" in kinds  # the normal kernel
+    # Stored in float16, 1e5 would be inf and 1e-9 zero.
+    want = x @ normal.astype("float16").astype("float32") + large
+    np.testing.assert_allclose(got["output_0"], want, rtol=1e-6)
+    np.testing.assert_allclose(got["output_1"], x * tiny, rtol=1e-6)
