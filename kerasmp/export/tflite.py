@@ -16,6 +16,10 @@ can also mis-lower a dynamic batch, so there each conversion is checked
 against the model on a few inputs (`verify`) and the last resort fixes the
 batch to 1. Where Flex ops remain, it raises `NeedsFlexOps`, naming each op
 and the layer it comes from.
+
+From PyTorch, `litert_torch.convert` writes the file (`_write_tflite_torch`:
+the float32 model, one example per call, inputs named as the model's) and
+`half_weights` stores its float32 constants in float16.
 """
 
 import keyword
