@@ -346,6 +346,16 @@ def tflite_schema():
     return schema_py_generated
 
 
+def litert_schema():
+    """LiteRT's generated flatbuffer schema of `.tflite` files, with its
+    object API (`ModelT`, ...; the schema the LiteRT converter writes,
+    newer than TensorFlow's): to store a PyTorch-converted file's float32
+    weights in float16. Not a documented module of ai_edge_litert."""
+    from ai_edge_litert import schema_py_generated
+
+    return schema_py_generated
+
+
 # ------------------------------------- a running JAX fit's state, in place
 
 

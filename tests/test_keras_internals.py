@@ -603,6 +603,21 @@ def test_tflite_schema_reads_a_flatbuffer():
         "tensorflow.lite.python.schema_py_generated.Model")
 
 
+def test_litert_schema_round_trips_a_flatbuffer():
+    pytest.importorskip("ai_edge_litert")
+    schema = ki.litert_schema()  # raises if ai_edge_litert moved it
+    import flatbuffers
+
+    model = schema.ModelT()
+    model.version = 3
+    model.buffers = [schema.BufferT()]
+    builder = flatbuffers.Builder(64)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    again = schema.ModelT.InitFromPackedBuf(builder.Output(), 0)
+    assert again.version == 3 and len(again.buffers) == 1, _changed(
+        "ai_edge_litert.schema_py_generated.ModelT")
+
+
 # ------------------------------------------------------ no other access
 
 ROOT = pathlib.Path(kerasmp.__file__).parent
