@@ -28,6 +28,12 @@ place and takes away what an earlier demo run left there (the names above,
 the demo prints hold only what this run wrote. An interrupted run (Ctrl-C,
 SIGTERM, an error) leaves the earlier run's artifacts as they were, and no
 staging folder.
+
+On PyTorch the demo trains with one CPU thread (`torch.set_num_threads(1)`
+while it runs, unless `OMP_NUM_THREADS` is set): the model is so small that
+synchronizing torch's intra-op threads costs more than they save, and on a
+busy machine (other processes on the cores) a step took 10x longer with two
+threads than with one, in stock Keras as under kerasmp (docs/benchmarks.md).
 """
 
 import contextlib
@@ -436,12 +442,31 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
         ) from None
     with contextlib.ExitStack() as closing:
         closing.push(stage.__exit__)  # the staging goes on every exit
-        summary, names = _run(stage.dir, out, policy, epochs, seed, quick,
-                              batch_size, verbose)
+        with _one_torch_thread():
+            summary, names = _run(stage.dir, out, policy, epochs, seed, quick,
+                                  batch_size, verbose)
         _publish_run(stage, out, names)
     if verbose:
         print(format_summary(summary))
     return summary
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    """One intra-op CPU thread on PyTorch while the demo runs (see above)."""
+    if keras.backend.backend() != "torch" or os.environ.get(
+        "OMP_NUM_THREADS"
+    ):
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _run(work, out, policy, epochs, seed, quick, batch_size, verbose):

@@ -270,6 +270,40 @@ def test_signal_while_publishing_waits_for_the_whole_run(tmp_path,
     _no_staging_left(out, tmp_path)
 
 
+@pytest.mark.torch
+def test_pytorch_demo_trains_on_one_cpu_thread(tmp_path, monkeypatch):
+    """The demo's tiny model on 2 busy cores: one torch thread, not two
+    (docs/benchmarks.md); the caller's setting is back afterwards."""
+    if keras.backend.backend() != "torch":
+        pytest.skip("the PyTorch setting")
+    import torch
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def train(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise Stop
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo, "_train", train)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(Stop):
+            demo.run_demo(tmp_path / "d", verbose=False)
+        assert seen == [1] and torch.get_num_threads() == 2
+        # A user's explicit OMP_NUM_THREADS is left alone.
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        with pytest.raises(Stop):
+            demo.run_demo(tmp_path / "d", verbose=False)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     "kwargs, argname",
     [
