@@ -311,3 +311,21 @@ def test_readme_snippet_reruns_in_the_same_folder(doc_env):
             for block in chain:
                 run_block(block, namespace)
     assert (doc_env / "served.keras").is_file()
+
+
+@pytest.mark.torch
+def test_readme_quickstart_runs_on_pytorch(doc_env):
+    """The README's quickstart and its continuation are a TensorFlow chain
+    here, but nothing in them is TensorFlow's: a PyTorch user runs them
+    as written (its export was format="savedmodel", which PyTorch
+    refuses)."""
+    if BACKEND != "torch":
+        pytest.skip("the PyTorch run of a TensorFlow chain")
+    readme = [c for c in chains() if c[0].path.name == "README.md"]
+    chain = next(c for c in readme if c[0].markers.get("name") == "quickstart")
+    namespace = {"__name__": "__docs__"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for block in chain:
+            run_block(block, namespace)
+    assert (doc_env / "served.keras").is_file()
