@@ -38,6 +38,7 @@ from kerasmp.policy.norms import Exclude
 from kerasmp.policy.norms import in_construction
 from kerasmp.policy.rules import SOFTMAX_ACTIVATIONS
 from kerasmp.policy.rules import activation_name
+from kerasmp.policy.rules import measured_entries
 from kerasmp.policy.rules import parse_rule
 from kerasmp.policy.rules import rule_from_config
 from kerasmp.policy.rules import rule_name
@@ -147,6 +148,10 @@ class Policy(keras.DTypePolicy):
             (assigned at `compile`, see `kerasmp.float8`). Defaults to
             `Float8Rule()`. Every other layer computes as under the base
             policy (`"mixed_bfloat16"` / `"mixed_float16"`).
+        measured: `{Layer.path: {"rule": why, "portable": bool}}` of the
+            layers `compile`'s measurement moved to float32, so that a
+            saved model reloads so (`kerasmp.policy.measure`). kerasmp
+            fills it; defaults to None.
 
     Example:
 
@@ -166,7 +171,7 @@ class Policy(keras.DTypePolicy):
 
     def __init__(self, name="mixed_float16",
                  float32_layers=DEFAULT_FLOAT32_LAYERS, float32_exclude=(),
-                 float8=None):
+                 float8=None, measured=None):
         if not isinstance(name, str) or name not in _FLOAT_NAMES:
             raise ValueError(
                 f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
@@ -206,6 +211,7 @@ class Policy(keras.DTypePolicy):
             for r in (getattr(r, "rule", r) for r in self._rules)
             if isinstance(r, re.Pattern)
         }
+        self._measured = measured_entries(measured)
         self._overrides = {}  # rule description -> Float32Override
         # (layer class, name, activation) -> rule description or None, so
         # that each layer is matched once, not on every dtype lookup.
@@ -225,6 +231,17 @@ class Policy(keras.DTypePolicy):
         """The stock Keras policy a saved file holds for Keras without
         kerasmp (the base policy of a float8 name)."""
         return keras.DTypePolicy(base_name(self.name))
+
+    @property
+    def measured(self):
+        """The `measured` argument (a copy)."""
+        return {path: dict(entry) for path, entry in self._measured.items()}
+
+    def with_measured(self, measured):
+        """This policy, with `measured` (as the argument) in place of its
+        own: equal to it, and computing the same for every other layer."""
+        return Policy(self.name, float32_layers=self.float32_layers,
+                      float8=self.float8, measured=measured)
 
     @property
     def float32_layers(self):
@@ -321,9 +338,16 @@ class Policy(keras.DTypePolicy):
         """
         if self.compute_dtype in ("float32", "float64"):
             return self
+        if self._measured:
+            entry = self._measured.get(getattr(layer, "path", None))
+            if entry is not None:
+                return self._override(entry["rule"])
         rule = self.float32_rule(layer)
         if rule is None:
             return self
+        return self._override(rule)
+
+    def _override(self, rule):
         if rule not in self._overrides:
             self._overrides[rule] = Float32Override(self, rule)
         return self._overrides[rule]
@@ -333,6 +357,8 @@ class Policy(keras.DTypePolicy):
         config = {"name": self.name, "float32_layers": rules}
         if self._float8 is not None:
             config["float8"] = self._float8.get_config()
+        if self._measured:
+            config["measured"] = self.measured
         return config
 
     @classmethod
@@ -362,7 +388,6 @@ class Policy(keras.DTypePolicy):
     def __repr__(self):
         n = len(self._rules)
         return f'<kerasmp.Policy "{self.name}", {n} float32 rules>'
-
 
 
 def _as_policy(policy_or_name, argname="policy"):
@@ -479,6 +504,8 @@ def handoff_dtype(layer, caller=None):
     >>> kerasmp.policy.handoff_dtype(keras.layers.LayerNormalization())
     'float16'
     """
+    if _AS_COMPUTED and id(layer) in _AS_COMPUTED:
+        return None
     stored = stored_policy(layer)
     if isinstance(stored, Float32Override):
         if stored.rule == FALLBACK_RULE:
@@ -495,6 +522,21 @@ def handoff_dtype(layer, caller=None):
     if caller is None and target not in _HALF:
         return None
     return target
+
+
+_AS_COMPUTED = set()  # ids of layers handing their outputs on as computed
+
+
+@contextlib.contextmanager
+def outputs_as_computed(layers):
+    """`layers` hand their outputs on as computed (as in stock Keras)
+    while the block runs."""
+    ids = {id(layer) for layer in layers} - _AS_COMPUTED
+    _AS_COMPUTED.update(ids)
+    try:
+        yield
+    finally:
+        _AS_COMPUTED.difference_update(ids)
 
 
 def _is_castable(x, target):

@@ -196,3 +196,21 @@ def rule_sequence(value, argname):
             f"expressions and/or predicates. Received: {value!r}"
         ) from None
 
+
+def measured_entries(measured):
+    """The checked `measured` argument of `Policy`."""
+    if measured is None:
+        return {}
+    entries = {}
+    items = measured.items() if isinstance(measured, dict) else None
+    for path, entry in items or [(None, None)]:
+        if not (isinstance(path, str) and isinstance(entry, dict)
+                and isinstance(entry.get("rule"), str)
+                and isinstance(entry.get("portable", False), bool)):
+            raise ValueError(
+                "Invalid `measured` for kerasmp.Policy: expected "
+                "{layer path: {'rule': str, 'portable': bool}}. Received: "
+                f"{measured!r:.200}")
+        entries[path] = {"rule": entry["rule"],
+                         "portable": entry.get("portable", False)}
+    return entries
