@@ -77,6 +77,7 @@ from kerasmp.policy import stock as _stock_policy
 from kerasmp.policy.measure import measure_once
 from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan as build_plan
+from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import hand_back
 from kerasmp.policy.policy import handoff_dtype
@@ -100,6 +101,8 @@ class _ResolvedDTypePolicy:
             raise AttributeError(_ki.DTYPE_POLICY_ATTR) from None
         if isinstance(stored, Policy):
             return stored.policy_for(layer)
+        if isinstance(stored, Float32Override) and stored.kept_half(layer):
+            return stored.policy  # a moved layer's sublayer, reloaded
         return stored
 
     def __set__(self, layer, value):

@@ -52,8 +52,8 @@ from kerasmp._utils.warn import user_stacklevel
 from kerasmp.policy.plan import plan
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
-from kerasmp.policy.policy import outputs_as_computed
 from kerasmp.policy.policy import stored_policy
+from kerasmp.policy.rules import outputs_as_computed
 
 MAX_MOVES = 8
 """The most layers one `measure` moves to float32 because they failed."""
@@ -274,9 +274,14 @@ def _record(model, policy, inputs, layers):
     if not moved and not policy.measured:
         return
     portable = _portable(model, inputs, layers, moved)
-    recorded = policy.with_measured({
+    # A moved layer hands its override to the sublayers it creates when it
+    # is rebuilt: those that computed in half precision are recorded too.
+    half = {sub.path: {"half": True} for layer, _ in moved.values()
+            for _, sub in walk(layer)
+            if sub.path and sub.compute_dtype in _HALF}
+    recorded = policy.with_measured({**half, **{
         path: {"rule": rule, "portable": path in portable}
-        for path, (_, rule) in moved.items()})
+        for path, (_, rule) in moved.items()}})
     for layer in [model] + [layer for _, layer in layers]:
         stored = stored_policy(layer)
         if isinstance(stored, Policy) and stored == policy:
@@ -324,6 +329,13 @@ def _portable(model, inputs, layers, moved):
     # rules keep in float32 reload under the mixed policy, which returns
     # half precision: their hand-back stands for that.)
     half = [layer for _, layer in layers if layer.compute_dtype in _HALF]
+    paths = {id(layer): path for path, layer in layers}
+    if not any(any(h in d for d in reference.get(paths[id(layer)], ())
+                   for h in _HALF) for layer in half):
+        # The trace does not show half precision where it is computed
+        # (PyTorch's meta-device trace gives float32 throughout): it cannot
+        # tell, so the file keeps the moves for kerasmp only.
+        return set()
 
     def keeps_dtypes(group):
         members = {id(moved[p][0]) for p in group}

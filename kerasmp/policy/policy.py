@@ -36,6 +36,7 @@ from kerasmp.policy.norms import UNDECIDED
 from kerasmp.policy.norms import BuiltinRule
 from kerasmp.policy.norms import Exclude
 from kerasmp.policy.norms import in_construction
+from kerasmp.policy.rules import AS_COMPUTED
 from kerasmp.policy.rules import SOFTMAX_ACTIVATIONS
 from kerasmp.policy.rules import activation_name
 from kerasmp.policy.rules import measured_entries
@@ -102,6 +103,13 @@ class Float32Override(Marked, keras.DTypePolicy):
         self.policy = policy
         self.rule = rule
 
+    def kept_half(self, layer):
+        """Whether `layer` kept the half policy when measurement moved the
+        parent that handed it this override (`Policy.measured`)."""
+        lookup = getattr(self.policy, "measured_entry", None)
+        entry = lookup(getattr(layer, "path", None)) if lookup else None
+        return entry is not None and "half" in entry
+
 
 @keras.saving.register_keras_serializable(package="kerasmp")
 class Policy(keras.DTypePolicy):
@@ -148,10 +156,9 @@ class Policy(keras.DTypePolicy):
             (assigned at `compile`, see `kerasmp.float8`). Defaults to
             `Float8Rule()`. Every other layer computes as under the base
             policy (`"mixed_bfloat16"` / `"mixed_float16"`).
-        measured: `{Layer.path: {"rule": why, "portable": bool}}` of the
-            layers `compile`'s measurement moved to float32, so that a
-            saved model reloads so (`kerasmp.policy.measure`). kerasmp
-            fills it; defaults to None.
+        measured: What `compile`'s measurement moved to float32, by
+            `Layer.path`, so that a saved model reloads so (kerasmp fills
+            it: `kerasmp.policy.rules.measured_entries`). Defaults to None.
 
     Example:
 
@@ -237,9 +244,11 @@ class Policy(keras.DTypePolicy):
         """The `measured` argument (a copy)."""
         return {path: dict(entry) for path, entry in self._measured.items()}
 
+    def measured_entry(self, path):
+        return self._measured.get(path) if self._measured else None
+
     def with_measured(self, measured):
-        """This policy, with `measured` (as the argument) in place of its
-        own: equal to it, and computing the same for every other layer."""
+        """This policy (equal to it) with `measured` in place of its own."""
         return Policy(self.name, float32_layers=self.float32_layers,
                       float8=self.float8, measured=measured)
 
@@ -338,10 +347,9 @@ class Policy(keras.DTypePolicy):
         """
         if self.compute_dtype in ("float32", "float64"):
             return self
-        if self._measured:
-            entry = self._measured.get(getattr(layer, "path", None))
-            if entry is not None:
-                return self._override(entry["rule"])
+        entry = self.measured_entry(getattr(layer, "path", None))
+        if entry is not None:
+            return self if "half" in entry else self._override(entry["rule"])
         rule = self.float32_rule(layer)
         if rule is None:
             return self
@@ -504,7 +512,7 @@ def handoff_dtype(layer, caller=None):
     >>> kerasmp.policy.handoff_dtype(keras.layers.LayerNormalization())
     'float16'
     """
-    if _AS_COMPUTED and id(layer) in _AS_COMPUTED:
+    if AS_COMPUTED and id(layer) in AS_COMPUTED:
         return None
     stored = stored_policy(layer)
     if isinstance(stored, Float32Override):
@@ -522,21 +530,6 @@ def handoff_dtype(layer, caller=None):
     if caller is None and target not in _HALF:
         return None
     return target
-
-
-_AS_COMPUTED = set()  # ids of layers handing their outputs on as computed
-
-
-@contextlib.contextmanager
-def outputs_as_computed(layers):
-    """`layers` hand their outputs on as computed (as in stock Keras)
-    while the block runs."""
-    ids = {id(layer) for layer in layers} - _AS_COMPUTED
-    _AS_COMPUTED.update(ids)
-    try:
-        yield
-    finally:
-        _AS_COMPUTED.difference_update(ids)
 
 
 def _is_castable(x, target):

@@ -68,7 +68,8 @@ def stock_measured(policy, stock):
     that its block creates in code reloads in float32 without kerasmp.
     """
     measured = policy.measured if isinstance(policy, Policy) else {}
-    paths = sorted(p for p, entry in measured.items() if entry["portable"])
+    paths = sorted(p for p, entry in measured.items()
+                   if entry.get("portable"))
     if not paths:
         return stock
     return keras.dtype_policies.DTypePolicyMap(
