@@ -327,6 +327,19 @@ def dtype_policy_modules():
     return modules
 
 
+def keras_saveable_class():
+    """The class Keras's saving recognises as holding state
+    (`keras.src.saving.keras_saveable.KerasSaveable`): a `.keras` or
+    `.weights.h5` file walks an object's attributes and keeps each instance
+    at `<path>/<attribute>/vars`, by its `save_own_variables` and
+    `load_own_variables`; its `_obj_type()` must name a kind Keras knows
+    (`"Optimizer"`), and a file without that path loads it from an empty
+    store."""
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    return KerasSaveable
+
+
 # -------------------------------------------------------------- export
 
 

@@ -26,7 +26,10 @@ from `kerasmp._keras_internals`:
    (`measure.move_failed_at_build`); if float32 fails too, the layer is
    put back and the first error raised.
 3. Saving and loading. `dtype_policies.serialize` / `deserialize` and
-   `Operation.from_config` go through `kerasmp.policy.saving`.
+   `Operation.from_config` go through `kerasmp.policy.saving`;
+   `Trainer.get_compile_config` / `compile_from_config` through
+   `kerasmp.optimizer.saving` (a `kerasmp.LossScaleOptimizer` saved as
+   stock Keras's plus a `"kerasmp"` entry that stock Keras ignores).
 4. Compile. `Trainer.compile` decides loss scaling: when a model has layers
    governed by a `kerasmp.Policy` and any trainable layer computes in
    float16, a plain optimizer is wrapped once in
@@ -70,6 +73,7 @@ import keras
 from kerasmp import _keras_internals as _ki
 from kerasmp import train_step as _train_step
 from kerasmp.float8.layers import assign_layers
+from kerasmp.optimizer import saving as _optimizer_saving
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import advice as _policy_advice
 from kerasmp.policy import saving as _saving
@@ -77,6 +81,7 @@ from kerasmp.policy import stock as _stock_policy
 from kerasmp.policy.measure import measure_once
 from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan as build_plan
+from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import hand_back
 from kerasmp.policy.policy import handoff_dtype
@@ -102,6 +107,8 @@ class _ResolvedDTypePolicy:
             raise AttributeError(_ki.DTYPE_POLICY_ATTR) from None
         if isinstance(stored, Policy):
             return stored.policy_for(layer)
+        if isinstance(stored, Float32Override) and stored.kept_half(layer):
+            return stored.policy  # a moved layer's sublayer, reloaded
         return stored
 
     def __set__(self, layer, value):
@@ -213,6 +220,17 @@ def _deserialize(config, custom_objects=None):
 def _from_config(cls, config):
     return _saving.construct(cls, config, _originals["from_config"],
                              _originals["deserialize"])
+
+
+def _get_compile_config(self):
+    return _optimizer_saving.portable_compile_config(
+        _originals["get_compile_config"](self))
+
+
+def _compile_from_config(self, config):
+    config = _optimizer_saving.restored_compile_config(
+        config, LossScaleOptimizer.__module__)
+    return _originals["compile_from_config"](self, config)
 
 
 # ---------------------------------------------------------------- 4. compile
@@ -344,6 +362,8 @@ def install():
         serialize=modules[0].serialize,
         deserialize=modules[0].deserialize,
         compile=trainer.compile,
+        get_compile_config=trainer.get_compile_config,
+        compile_from_config=trainer.compile_from_config,
     )
     _ki.install_dtype_policy_descriptor(_ResolvedDTypePolicy())
     keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
@@ -356,6 +376,9 @@ def install():
         module.serialize = _serialize
         module.deserialize = _deserialize
     trainer.compile = functools.wraps(_originals["compile"])(_compile)
+    for name, patch in (("get_compile_config", _get_compile_config),
+                        ("compile_from_config", _compile_from_config)):
+        setattr(trainer, name, functools.wraps(_originals[name])(patch))
     if keras.backend.backend() == "jax":
         nn = _ki.backend_nn_module()
         _originals["dot_product_attention"] = nn.dot_product_attention
@@ -385,7 +408,9 @@ def uninstall():
     for module in _ki.dtype_policy_modules():
         module.serialize = _originals["serialize"]
         module.deserialize = _originals["deserialize"]
-    _ki.trainer_class().compile = _originals["compile"]
+    trainer = _ki.trainer_class()
+    for name in ("compile", "get_compile_config", "compile_from_config"):
+        setattr(trainer, name, _originals[name])
     if "dot_product_attention" in _originals:
         _ki.backend_nn_module().dot_product_attention = _originals[
             "dot_product_attention"]

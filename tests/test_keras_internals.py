@@ -196,6 +196,44 @@ def test_trainer_class_owns_model_compile():
         )
 
 
+def test_trainer_class_owns_the_compile_config():
+    trainer = ki.trainer_class()
+    for name in ("get_compile_config", "compile_from_config"):
+        assert name in vars(trainer), _changed(f"{trainer.__name__}.{name}")
+        for cls in keras.Model.__mro__:
+            if cls is trainer:
+                break
+            assert name not in vars(cls) or cls.__module__.startswith(
+                "kerasmp"), _changed(
+                f"{cls.__name__} overrides {name}: kerasmp's optimizer "
+                "saving would be bypassed")
+
+
+def test_keras_saveable_attributes_are_saved_at_their_own_path(tmp_path):
+    saveable = ki.keras_saveable_class()
+    seen = {}
+
+    class Extra(saveable):
+        def _obj_type(self):
+            return "Optimizer"
+
+        def save_own_variables(self, store):
+            store["x"] = np.array(3.0, "float32")
+
+        def load_own_variables(self, store):
+            seen.update({k: float(np.asarray(store[k])) for k in store.keys()})
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(), "mse")
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.extra_state = Extra()
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    model.load_weights(path)
+    assert seen == {"x": 3.0}, _changed(
+        "KerasSaveable (saving_lib's walk of an optimizer's attributes)")
+
+
 def test_operation_class_owns_layer_from_config():
     op = ki.operation_class()
     assert issubclass(keras.layers.Dense, op), _changed("Operation")

@@ -149,6 +149,9 @@ def _measured_rule(layer):
     stored = _policy.stored_policy(layer)
     if isinstance(stored, _policy.Float32Override):
         return stored.rule
+    if isinstance(stored, _policy.Policy):  # a reloaded model's: by path
+        entry = stored.measured.get(getattr(layer, "path", None))
+        return entry.get("rule") if entry else None
     return None
 
 

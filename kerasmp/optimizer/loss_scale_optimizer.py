@@ -29,6 +29,10 @@ from kerasmp.optimizer.arguments import DEFAULT_INITIAL_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MAX_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MIN_SCALE
 from kerasmp.optimizer.arguments import validate
+from kerasmp.optimizer.saving import ScaleStateStore
+from kerasmp.optimizer.saving import kerasmp_variables
+from kerasmp.optimizer.saving import load_layout
+from kerasmp.optimizer.saving import save_stock_layout
 from kerasmp.optimizer.scale_rule import ScaleRule
 from kerasmp.optimizer.scale_rule import ScaleState
 from kerasmp.optimizer.scale_rule import next_state
@@ -146,6 +150,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         for key, value in settings.items():
             setattr(self, key, value)
+        # kerasmp's own state, where a file keeps it apart from the stock
+        # optimizer's (kerasmp.optimizer.saving).
+        self.kerasmp_scale_state = ScaleStateStore(self._kerasmp_variables)
 
     @classmethod
     def settings_for(cls, optimizer):
@@ -254,6 +261,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.inner_optimizer
             )
         return state
+
+    def _kerasmp_variables(self):
+        """`{name: variable}` of the state stock Keras's optimizer lacks."""
+        return kerasmp_variables(self) if self.built else {}
+
+    def save_own_variables(self, store):
+        # kerasmp.optimizer.saving: stock Keras's layout here, the rest in
+        # `kerasmp_scale_state`.
+        save_stock_layout(self, store)
+
+    def load_own_variables(self, store):
+        if not load_layout(self, store):
+            super().load_own_variables(store)  # Keras's warning, no load
 
     def read_state(self, value_of=ops.convert_to_tensor):
         """The `ScaleState` the variables hold now (after a step: whether

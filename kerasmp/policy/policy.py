@@ -36,8 +36,10 @@ from kerasmp.policy.norms import UNDECIDED
 from kerasmp.policy.norms import BuiltinRule
 from kerasmp.policy.norms import Exclude
 from kerasmp.policy.norms import in_construction
+from kerasmp.policy.rules import AS_COMPUTED
 from kerasmp.policy.rules import SOFTMAX_ACTIVATIONS
 from kerasmp.policy.rules import activation_name
+from kerasmp.policy.rules import measured_entries
 from kerasmp.policy.rules import parse_rule
 from kerasmp.policy.rules import rule_from_config
 from kerasmp.policy.rules import rule_name
@@ -102,6 +104,13 @@ class Float32Override(Marked, keras.DTypePolicy):
         self.policy = policy
         self.rule = rule
 
+    def kept_half(self, layer):
+        """Whether `layer` kept the half policy when measurement moved the
+        parent that handed it this override (`Policy.measured`)."""
+        lookup = getattr(self.policy, "measured_entry", None)
+        entry = lookup(getattr(layer, "path", None)) if lookup else None
+        return entry is not None and "half" in entry
+
 
 @keras.saving.register_keras_serializable(package="kerasmp")
 class Policy(keras.DTypePolicy):
@@ -152,6 +161,9 @@ class Policy(keras.DTypePolicy):
             `class RMSNorm(keras.layers.Layer)`) and `KNOWN_FLOAT16_HAZARDS`.
             Defaults to True. With False, `float32_layers` is the whole list:
             pass the built-in rules to keep in it (`()` for no rules).
+        measured: What `compile`'s measurement moved to float32, by
+            `Layer.path`, so that a saved model reloads so (kerasmp fills
+            it: `kerasmp.policy.rules.measured_entries`). Defaults to None.
 
     Example:
 
@@ -175,7 +187,8 @@ class Policy(keras.DTypePolicy):
     """
 
     def __init__(self, name="mixed_float16", float32_layers=(),
-                 float32_exclude=(), float8=None, float32_defaults=True):
+                 float32_exclude=(), float8=None, float32_defaults=True,
+                 measured=None):
         if not isinstance(name, str) or name not in _FLOAT_NAMES:
             raise ValueError(
                 f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
@@ -224,6 +237,7 @@ class Policy(keras.DTypePolicy):
             for r in (getattr(r, "rule", r) for r in self._rules)
             if isinstance(r, re.Pattern)
         }
+        self._measured = measured_entries(measured)
         self._overrides = {}  # rule description -> Float32Override
         # (layer class, name, activation) -> rule description or None, so
         # that each layer is matched once, not on every dtype lookup.
@@ -243,6 +257,20 @@ class Policy(keras.DTypePolicy):
         """The stock Keras policy a saved file holds for Keras without
         kerasmp (the base policy of a float8 name)."""
         return keras.DTypePolicy(base_name(self.name))
+
+    @property
+    def measured(self):
+        """The `measured` argument (a copy)."""
+        return {path: dict(entry) for path, entry in self._measured.items()}
+
+    def measured_entry(self, path):
+        return self._measured.get(path) if self._measured else None
+
+    def with_measured(self, measured):
+        """This policy (equal to it) with `measured` in place of its own."""
+        return Policy(self.name, float32_layers=self.float32_layers,
+                      float8=self.float8, float32_defaults=False,
+                      measured=measured)
 
     @property
     def float32_layers(self):
@@ -340,9 +368,15 @@ class Policy(keras.DTypePolicy):
         """
         if self.compute_dtype in ("float32", "float64"):
             return self
+        entry = self.measured_entry(getattr(layer, "path", None))
+        if entry is not None:
+            return self if "half" in entry else self._override(entry["rule"])
         rule = self.float32_rule(layer)
         if rule is None:
             return self
+        return self._override(rule)
+
+    def _override(self, rule):
         if rule not in self._overrides:
             self._overrides[rule] = Float32Override(self, rule)
         return self._overrides[rule]
@@ -356,6 +390,8 @@ class Policy(keras.DTypePolicy):
         config = {"name": self.name, "float32_layers": rules}
         if self._float8 is not None:
             config["float8"] = self._float8.get_config()
+        if self._measured:
+            config["measured"] = self.measured
         return config
 
     @classmethod
@@ -388,7 +424,6 @@ class Policy(keras.DTypePolicy):
     def __repr__(self):
         n = len(self._rules)
         return f'<kerasmp.Policy "{self.name}", {n} float32 rules>'
-
 
 
 def _as_policy(policy_or_name, argname="policy"):
@@ -505,6 +540,8 @@ def handoff_dtype(layer, caller=None):
     >>> kerasmp.policy.handoff_dtype(keras.layers.LayerNormalization())
     'float16'
     """
+    if AS_COMPUTED and id(layer) in AS_COMPUTED:
+        return None
     stored = stored_policy(layer)
     if isinstance(stored, Float32Override):
         if stored.rule == FALLBACK_RULE:

@@ -7,6 +7,7 @@ layer) or one of kerasmp's built-in rules (`kerasmp.policy.norms`).
 saved policy and read it back without importing any module a file names.
 """
 
+import contextlib
 import re
 import sys
 
@@ -236,3 +237,39 @@ def rule_sequence(value, argname):
             f"expressions and/or predicates. Received: {value!r}"
         ) from None
 
+
+def measured_entries(measured):
+    """The checked `measured` argument of `Policy`: `{path: {"rule": str,
+    "portable": bool}}` for a layer moved to float32, `{"half": True}` for
+    a sublayer of one that computes in the governing policy."""
+    if measured is None:
+        return {}
+    entries = {}
+    items = measured.items() if isinstance(measured, dict) else None
+    for path, entry in items or [(None, None)]:
+        half = isinstance(entry, dict) and entry.get("half") is True
+        if not (isinstance(path, str) and isinstance(entry, dict)
+                and (half or isinstance(entry.get("rule"), str))
+                and isinstance(entry.get("portable", False), bool)):
+            raise ValueError(
+                "Invalid `measured` for kerasmp.Policy: expected "
+                "{layer path: {'rule': str, 'portable': bool} or "
+                f"{{'half': True}}}}. Received: {measured!r:.200}")
+        entries[path] = {"half": True} if half else {
+            "rule": entry["rule"], "portable": entry.get("portable", False)}
+    return entries
+
+
+AS_COMPUTED = set()  # ids of layers handing their outputs on as computed
+
+
+@contextlib.contextmanager
+def outputs_as_computed(layers):
+    """`layers` hand their outputs on as computed (as in stock Keras)
+    while the block runs."""
+    ids = {id(layer) for layer in layers} - AS_COMPUTED
+    AS_COMPUTED.update(ids)
+    try:
+        yield
+    finally:
+        AS_COMPUTED.difference_update(ids)
