@@ -306,6 +306,13 @@ def install():
         compile=trainer.compile,
     )
     _ki.install_dtype_policy_descriptor(_ResolvedDTypePolicy())
+    if keras.backend.backend() == "torch":
+        # Under torch.compile, a dtype read in code that runs eagerly
+        # (after a graph break) would be a Dynamo frame of its own, guarded
+        # on the layer's class: one recompile per class, up to the limit.
+        for method in (_ResolvedDTypePolicy.__get__,
+                       _ResolvedDTypePolicy.__set__):
+            _ki.compile_inline_only(method, callees=True)
     keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
         _layer_call
     )
