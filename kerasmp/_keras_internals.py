@@ -18,6 +18,7 @@ Tested with Keras 3.15 and 3.16 (`pyproject.toml` bounds the version).
 """
 
 import itertools
+import sys
 
 import keras
 from keras.src import dtype_policies as _dtype_policies
@@ -306,6 +307,42 @@ def accumulated_gradients(optimizer):
 def reset_gradient_accumulators(optimizer):
     """Zeroes the gradient accumulators of `optimizer` (stateful)."""
     optimizer._backend_reset_gradient_accumulators()
+
+
+# -------------------------------------------- torch.compile (PyTorch)
+
+
+def compile_inline_only(function, callees=False):
+    """Makes Dynamo (`torch.compile`: `jit_compile=True` on PyTorch) run
+    `function` as plain Python whenever it meets it as a frame of its own;
+    a frame Dynamo traces still traces `function` inline, as before.
+
+    Inside a compiled function, the code after a graph break runs eagerly
+    and Dynamo compiles each Python function it calls as a frame of its
+    own, guarded on the Python objects that frame read: a function called
+    with a layer of every class, or reading a value that changes each call,
+    recompiles at every call until `torch._dynamo.config.recompile_limit`.
+    With `callees`, the functions `function` calls from such a frame run as
+    plain Python too (for code without tensor work); without, Dynamo
+    compiles them as usual. A no-op until PyTorch is imported.
+
+    PyTorch internal: `set_code_exec_strategy` (torch._C._dynamo), the
+    per-code-object switch `torch.compiler.disable` and Dynamo's own
+    recompile limit set; `torch.compiler.disable` itself cannot be used, as
+    it makes every traced call of the function a graph break.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    from torch._C._dynamo import eval_frame
+
+    action = eval_frame._FrameAction
+    eval_frame.set_code_exec_strategy(
+        getattr(function, "__func__", function).__code__,
+        eval_frame._FrameExecStrategy(
+            action.SKIP, action.SKIP if callees else action.DEFAULT
+        ),
+    )
 
 
 # ------------------------------------------------------ serialization

@@ -14,7 +14,9 @@ from `kerasmp._keras_internals`:
    Keras read of a compute or variable dtype goes through it, so one rule
    covers `dtype=None` layers, layers handed a parent's policy (the
    `Softmax` inside `MultiHeadAttention`) and attributes set after
-   `Layer.__init__`.
+   `Layer.__init__`. On PyTorch the descriptor is never a Dynamo frame of
+   its own (`_keras_internals.compile_inline_only`): under `torch.compile`
+   it would recompile for every layer class.
 2. Hand-off. `Layer.__call__`: a layer a kerasmp policy governs, called
    inside another layer or model, hands its floating outputs to that caller
    in the caller's compute dtype (`kerasmp.policy.handoff_dtype`,
@@ -366,6 +368,13 @@ def install():
         compile_from_config=trainer.compile_from_config,
     )
     _ki.install_dtype_policy_descriptor(_ResolvedDTypePolicy())
+    if keras.backend.backend() == "torch":
+        # Under torch.compile, a dtype read in code that runs eagerly
+        # (after a graph break) would be a Dynamo frame of its own, guarded
+        # on the layer's class: one recompile per class, up to the limit.
+        for method in (_ResolvedDTypePolicy.__get__,
+                       _ResolvedDTypePolicy.__set__):
+            _ki.compile_inline_only(method, callees=True)
     keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
         _layer_call
     )

@@ -776,6 +776,48 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+@pytest.mark.torch
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile")
+def test_compile_inline_only_skips_the_frame_and_still_inlines():
+    import torch
+
+    def plain(x, obj):
+        return x * obj.value
+
+    def scale(x, obj):
+        return x * obj.value
+
+    # Marked before Dynamo compiles it (`torch._dynamo.reset()` drops the
+    # mark of a code it had compiled; kerasmp marks its own at import).
+    ki.compile_inline_only(scale)
+
+    class A:
+        value = 2.0
+
+    class B:
+        value = 3.0
+
+    def frames_compiled(fn):
+        torch._dynamo.reset()
+        before = torch._dynamo.utils.counters["frames"]["total"]
+        for obj in (A(), B(), A(), B()):
+            assert float(fn(torch.ones(()), obj)) == obj.value
+        return torch._dynamo.utils.counters["frames"]["total"] - before
+
+    # Met as a frame of its own: compiled for A, again for B.
+    unmarked = frames_compiled(torch.compile(plain, backend="eager"))
+    marked = frames_compiled(torch.compile(scale, backend="eager"))
+    assert (unmarked, marked) == (2, 0), (
+        f"torch {torch.__version__} changed set_code_exec_strategy: the "
+        f"frames compiled, unmarked and marked, are {(unmarked, marked)}"
+    )
+    # Traced inline where a compiled frame calls it: no graph break.
+    inline = torch.compile(lambda x, o: scale(x, o) + 1.0, backend="eager",
+                           fullgraph=True)
+    assert float(inline(torch.ones(()), A())) == 3.0
+    torch._dynamo.reset()
+
+
 def test_no_private_keras_access_outside_the_seam():
     keras_private = _private_keras_names()
     problems = []

@@ -340,7 +340,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.auto:
             return None
-        return ops.cond(
+        return _branch(
             ops.equal(iterations, 0),
             lambda: _max_abs(grads),
             lambda: ops.zeros((), "float32"),
@@ -350,14 +350,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Applies (unless the accumulation window is being discarded), then
         updates the state as after a finite step."""
         if self._accumulation_steps:
-            ops.cond(ops.equal(self.discarded_micro_steps, 0), apply_fn, _no_op)
+            _branch(ops.equal(self.discarded_micro_steps, 0), apply_fn, _no_op)
         else:
             apply_fn()
         self._update_state(True, peak)
 
     def _stateful_apply(self, grads, trainable_variables, finite, peak=None):
         """Applies or skips, then updates the scale state (TF, torch)."""
-        ops.cond(
+        _branch(
             finite,
             lambda: self._finite_step(
                 lambda: self._apply_inner(grads, trainable_variables), peak
@@ -374,7 +374,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         for key, value in after.changed(before).items():
             variables[key].assign(ops.cast(value, variables[key].dtype))
         if reset is not False:
-            ops.cond(
+            _branch(
                 reset,
                 lambda: _ki.reset_gradient_accumulators(self.inner_optimizer),
                 _no_op,
@@ -623,6 +623,26 @@ def _settings(
 
 def _no_op():
     return None
+
+
+def _branch(pred, true_fn, false_fn):
+    """`ops.cond(pred, true_fn, false_fn)` of the stateful apply (TensorFlow,
+    PyTorch); on PyTorch a Python `if`, which is what Keras's `ops.cond`
+    runs there, without the `Cond` operation it creates at every call.
+
+    Under `torch.compile` that operation's unique name (a global counter)
+    is a guard of the frame that made it, and the counter changes at every
+    call: the frame recompiled at every step until Dynamo's limit. This
+    frame is never compiled on its own (`compile_inline_only`, applied
+    below): its guards would be the branches' code, one recompile per call
+    site; the branch taken is compiled as usual.
+    """
+    if keras.backend.backend() == "torch":
+        return true_fn() if pred else false_fn()
+    return ops.cond(pred, true_fn, false_fn)
+
+
+_ki.compile_inline_only(_branch)
 
 
 def _is_stock(optimizer):
