@@ -18,6 +18,7 @@ Tested with Keras 3.15 and 3.16 (`pyproject.toml` bounds the version).
 """
 
 import itertools
+import sys
 
 import keras
 from keras.src import dtype_policies as _dtype_policies
@@ -308,6 +309,42 @@ def reset_gradient_accumulators(optimizer):
     optimizer._backend_reset_gradient_accumulators()
 
 
+# -------------------------------------------- torch.compile (PyTorch)
+
+
+def compile_inline_only(function, callees=False):
+    """Makes Dynamo (`torch.compile`: `jit_compile=True` on PyTorch) run
+    `function` as plain Python whenever it meets it as a frame of its own;
+    a frame Dynamo traces still traces `function` inline, as before.
+
+    Inside a compiled function, the code after a graph break runs eagerly
+    and Dynamo compiles each Python function it calls as a frame of its
+    own, guarded on the Python objects that frame read: a function called
+    with a layer of every class, or reading a value that changes each call,
+    recompiles at every call until `torch._dynamo.config.recompile_limit`.
+    With `callees`, the functions `function` calls from such a frame run as
+    plain Python too (for code without tensor work); without, Dynamo
+    compiles them as usual. A no-op until PyTorch is imported.
+
+    PyTorch internal: `set_code_exec_strategy` (torch._C._dynamo), the
+    per-code-object switch `torch.compiler.disable` and Dynamo's own
+    recompile limit set; `torch.compiler.disable` itself cannot be used, as
+    it makes every traced call of the function a graph break.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    from torch._C._dynamo import eval_frame
+
+    action = eval_frame._FrameAction
+    eval_frame.set_code_exec_strategy(
+        getattr(function, "__func__", function).__code__,
+        eval_frame._FrameExecStrategy(
+            action.SKIP, action.SKIP if callees else action.DEFAULT
+        ),
+    )
+
+
 # ------------------------------------------------------ serialization
 
 
@@ -327,6 +364,19 @@ def dtype_policy_modules():
     return modules
 
 
+def keras_saveable_class():
+    """The class Keras's saving recognises as holding state
+    (`keras.src.saving.keras_saveable.KerasSaveable`): a `.keras` or
+    `.weights.h5` file walks an object's attributes and keeps each instance
+    at `<path>/<attribute>/vars`, by its `save_own_variables` and
+    `load_own_variables`; its `_obj_type()` must name a kind Keras knows
+    (`"Optimizer"`), and a file without that path loads it from an empty
+    store."""
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    return KerasSaveable
+
+
 # -------------------------------------------------------------- export
 
 
@@ -342,6 +392,16 @@ def tflite_schema():
     """TensorFlow's generated flatbuffer schema of `.tflite` files (not a
     public TensorFlow module), to read a model's buffers."""
     from tensorflow.lite.python import schema_py_generated
+
+    return schema_py_generated
+
+
+def litert_schema():
+    """LiteRT's generated flatbuffer schema of `.tflite` files, with its
+    object API (`ModelT`, ...; the schema the LiteRT converter writes,
+    newer than TensorFlow's): to store a PyTorch-converted file's float32
+    weights in float16. Not a documented module of ai_edge_litert."""
+    from ai_edge_litert import schema_py_generated
 
     return schema_py_generated
 
@@ -375,3 +435,16 @@ def callback_model(callback):
     `Callback.model` property), which writes a running fit's whole state
     back into the variables and makes the next step re-read them all."""
     return callback._model
+
+
+def jax_coordination_client():
+    """The key-value store of JAX's distributed runtime (the coordination
+    service that `jax.distributed.initialize` connects to: `key_value_set`,
+    `blocking_key_value_get`), or None outside a multi-process run.
+
+    It reaches every process over its own channel, not the devices'
+    collectives, so a message never pairs with another process's collective
+    (JAX's `device_put` of each variable is one, a process_allgather)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -14,7 +14,9 @@ from `kerasmp._keras_internals`:
    Keras read of a compute or variable dtype goes through it, so one rule
    covers `dtype=None` layers, layers handed a parent's policy (the
    `Softmax` inside `MultiHeadAttention`) and attributes set after
-   `Layer.__init__`.
+   `Layer.__init__`. On PyTorch the descriptor is never a Dynamo frame of
+   its own (`_keras_internals.compile_inline_only`): under `torch.compile`
+   it would recompile for every layer class.
 2. Hand-off. `Layer.__call__`: a layer a kerasmp policy governs, called
    inside another layer or model, hands its floating outputs to that caller
    in the caller's compute dtype (`kerasmp.policy.handoff_dtype`,
@@ -26,13 +28,19 @@ from `kerasmp._keras_internals`:
    (`measure.move_failed_at_build`); if float32 fails too, the layer is
    put back and the first error raised.
 3. Saving and loading. `dtype_policies.serialize` / `deserialize` and
-   `Operation.from_config` go through `kerasmp.policy.saving`.
+   `Operation.from_config` go through `kerasmp.policy.saving`;
+   `Trainer.get_compile_config` / `compile_from_config` through
+   `kerasmp.optimizer.saving` (a `kerasmp.LossScaleOptimizer` saved as
+   stock Keras's plus a `"kerasmp"` entry that stock Keras ignores).
 4. Compile. `Trainer.compile` decides loss scaling: when a model has layers
    governed by a `kerasmp.Policy` and any trainable layer computes in
    float16, a plain optimizer is wrapped once in
    `kerasmp.LossScaleOptimizer`; bfloat16 and float32
    models get no loss scaling, and `compile(..., auto_scale_loss=False)`
-   turns it off as in stock Keras. Before that, once per model, one symbolic
+   turns it off as in stock Keras. It warns once per model when a name
+   pattern of the policy matches no layer, or when the global policy is a
+   half-precision kerasmp policy set after the model was built
+   (`kerasmp.policy.advice`). Before that, once per model, one symbolic
    run finds the layers that fail in half precision and the MoE routers,
    and moves them to float32 (`kerasmp.policy.measure`); the outermost
    call of a model (`Layer.__call__`, above) measures it first if it is
@@ -67,16 +75,21 @@ import keras
 from kerasmp import _keras_internals as _ki
 from kerasmp import train_step as _train_step
 from kerasmp.float8.layers import assign_layers
+from kerasmp.optimizer import saving as _optimizer_saving
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
+from kerasmp.policy import advice as _policy_advice
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
 from kerasmp.policy.measure import measure_once
 from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan as build_plan
+from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import hand_back
 from kerasmp.policy.policy import handoff_dtype
 from kerasmp.policy.workers import check_workers_agree
+from kerasmp.policy.workers import describe_loss_scale
+from kerasmp.policy.workers import loss_scale_settings
 
 _originals = {}  # what install() replaced, for uninstall()
 
@@ -96,6 +109,8 @@ class _ResolvedDTypePolicy:
             raise AttributeError(_ki.DTYPE_POLICY_ATTR) from None
         if isinstance(stored, Policy):
             return stored.policy_for(layer)
+        if isinstance(stored, Float32Override) and stored.kept_half(layer):
+            return stored.policy  # a moved layer's sublayer, reloaded
         return stored
 
     def __set__(self, layer, value):
@@ -209,6 +224,17 @@ def _from_config(cls, config):
                              _originals["deserialize"])
 
 
+def _get_compile_config(self):
+    return _optimizer_saving.portable_compile_config(
+        _originals["get_compile_config"](self))
+
+
+def _compile_from_config(self, config):
+    config = _optimizer_saving.restored_compile_config(
+        config, LossScaleOptimizer.__module__)
+    return _originals["compile_from_config"](self, config)
+
+
 # ---------------------------------------------------------------- 4. compile
 
 
@@ -217,33 +243,67 @@ def _compile(self, *args, **kwargs):
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
     measure_once(self)
     plan = build_plan(self)
-    if not plan.governed:
-        result = original(self, *args, **kwargs)
-        _train_step.install(self)
-        return result
-    assign_layers(self, plan.float8)  # float8 policies: the rule's layers
+    _policy_advice.warn_about_policy(self, plan)  # unmatched, set too late
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
-    optimizer = keras.optimizers.get(arguments["optimizer"])
-    if _is_stock_loss_scale_optimizer(optimizer):
-        # The TensorFlow guide's optimizer: same inner optimizer and
-        # settings, kerasmp's bounded scale and skipped-step undo.
-        optimizer = LossScaleOptimizer(optimizer)
-        _stock_policy.say_stock_optimizer_replaced()
-    elif (arguments["auto_scale_loss"] and plan.needs_loss_scaling
-          and optimizer is not None
-          and not isinstance(optimizer, LossScaleOptimizer)):
-        optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    optimizer = arguments["optimizer"]
+    if optimizer is not None:
+        optimizer = arguments["optimizer"] = keras.optimizers.get(optimizer)
+    wrap = plan.governed and (
+        _is_stock_loss_scale_optimizer(optimizer)
+        or (arguments["auto_scale_loss"] and plan.needs_loss_scaling
+            and optimizer is not None
+            and not isinstance(optimizer, LossScaleOptimizer))
+    )
+    # Every worker of a multi-worker job compiles: check there that they
+    # all train with the same precision settings (a no-op in one process),
+    # before anything below creates a variable (under a JAX distribution,
+    # each is a collective: a worker that made a LossScaleOptimizer the
+    # others did not would leave its collectives out of step).
+    check_workers_agree(
+        self, plan=plan,
+        loss_scale=_loss_scale_settings(self, optimizer, wrap, arguments),
+    )
+    if not plan.governed:
+        result = original(*bound.args, **bound.kwargs)
+        _train_step.install(self)
+        return result
+    assign_layers(self, plan.float8)  # float8 policies: the rule's layers
+    if wrap:
+        if _is_stock_loss_scale_optimizer(optimizer):
+            # The TensorFlow guide's optimizer: same inner optimizer and
+            # settings, kerasmp's bounded scale and skipped-step undo.
+            _stock_policy.say_stock_optimizer_replaced()
+            optimizer = LossScaleOptimizer(optimizer)
+        else:
+            optimizer = LossScaleOptimizer(
+                optimizer, name="loss_scale_optimizer"
+            )
     arguments["optimizer"] = optimizer
     # kerasmp has decided; keep stock Keras's name-based rule out of it.
     arguments["auto_scale_loss"] = False
     result = original(*bound.args, **bound.kwargs)
     _train_step.install(self)
-    # Every worker of a multi-worker job compiles: check there that they
-    # all train with the same precision settings (a no-op in one process).
-    check_workers_agree(self, plan=plan)
     return result
+
+
+def _loss_scale_settings(model, optimizer, wrap, arguments):
+    """The loss-scaling settings `compile` is about to give `model`, for
+    the workers' check: those of the optimizer kerasmp makes (`wrap`), of
+    the one given, or of stock Keras's rule (an ungoverned model), without
+    making any."""
+    if wrap:
+        return describe_loss_scale(
+            LossScaleOptimizer.__name__,
+            LossScaleOptimizer.settings_for(optimizer),
+        )
+    settings = loss_scale_settings(optimizer)
+    if (settings is None and optimizer is not None
+            and arguments["auto_scale_loss"]
+            and model.dtype_policy.name == "mixed_float16"):
+        return {"class": "keras.optimizers.LossScaleOptimizer"}
+    return settings
 
 
 # ------------------------------------------------- 5. attention on a CPU
@@ -304,8 +364,17 @@ def install():
         serialize=modules[0].serialize,
         deserialize=modules[0].deserialize,
         compile=trainer.compile,
+        get_compile_config=trainer.get_compile_config,
+        compile_from_config=trainer.compile_from_config,
     )
     _ki.install_dtype_policy_descriptor(_ResolvedDTypePolicy())
+    if keras.backend.backend() == "torch":
+        # Under torch.compile, a dtype read in code that runs eagerly
+        # (after a graph break) would be a Dynamo frame of its own, guarded
+        # on the layer's class: one recompile per class, up to the limit.
+        for method in (_ResolvedDTypePolicy.__get__,
+                       _ResolvedDTypePolicy.__set__):
+            _ki.compile_inline_only(method, callees=True)
     keras.layers.Layer.__call__ = functools.wraps(_originals["__call__"])(
         _layer_call
     )
@@ -316,6 +385,9 @@ def install():
         module.serialize = _serialize
         module.deserialize = _deserialize
     trainer.compile = functools.wraps(_originals["compile"])(_compile)
+    for name, patch in (("get_compile_config", _get_compile_config),
+                        ("compile_from_config", _compile_from_config)):
+        setattr(trainer, name, functools.wraps(_originals[name])(patch))
     if keras.backend.backend() == "jax":
         nn = _ki.backend_nn_module()
         _originals["dot_product_attention"] = nn.dot_product_attention
@@ -345,7 +417,9 @@ def uninstall():
     for module in _ki.dtype_policy_modules():
         module.serialize = _originals["serialize"]
         module.deserialize = _originals["deserialize"]
-    _ki.trainer_class().compile = _originals["compile"]
+    trainer = _ki.trainer_class()
+    for name in ("compile", "get_compile_config", "compile_from_config"):
+        setattr(trainer, name, _originals[name])
     if "dot_product_attention" in _originals:
         _ki.backend_nn_module().dot_product_attention = _originals[
             "dot_product_attention"]

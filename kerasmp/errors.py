@@ -41,6 +41,19 @@ class StockPolicyWarning(UserWarning):
     """
 
 
+class PolicyWarning(UserWarning):
+    """A `kerasmp.Policy` does not do what the code around it seems to ask.
+
+    Issued where kerasmp can tell: a `float32_layers` list written to drop
+    some built-in rules (they stay unless `float32_defaults=False`), a name
+    pattern in `float32_layers` or `float32_exclude` that matches no layer
+    of the model being compiled, or a model compiled under a half-precision
+    kerasmp policy that was set only after the model was built (its layers
+    compute in float32). Each message names the fix; the ones of `compile`
+    are shown once per model (and pattern).
+    """
+
+
 class StockOptimizerWarning(UserWarning):
     """`compile` replaced Keras's own `LossScaleOptimizer` with kerasmp's.
 

@@ -86,6 +86,7 @@ def test_dtype_policy_descriptor_reaches_nested_layers():
     policy = kerasmp.Policy(
         "mixed_float16",
         float32_layers=[keras.layers.Softmax, keras.layers.LayerNormalization],
+        float32_defaults=False,
     )
     with kerasmp.policy_scope(policy):
         mha = keras.layers.MultiHeadAttention(2, 4, name="mha")
@@ -193,6 +194,44 @@ def test_trainer_class_owns_model_compile():
             f"{cls.__name__} overrides compile: kerasmp's loss-scaling hook "
             f"on {trainer.__name__}.compile would be bypassed"
         )
+
+
+def test_trainer_class_owns_the_compile_config():
+    trainer = ki.trainer_class()
+    for name in ("get_compile_config", "compile_from_config"):
+        assert name in vars(trainer), _changed(f"{trainer.__name__}.{name}")
+        for cls in keras.Model.__mro__:
+            if cls is trainer:
+                break
+            assert name not in vars(cls) or cls.__module__.startswith(
+                "kerasmp"), _changed(
+                f"{cls.__name__} overrides {name}: kerasmp's optimizer "
+                "saving would be bypassed")
+
+
+def test_keras_saveable_attributes_are_saved_at_their_own_path(tmp_path):
+    saveable = ki.keras_saveable_class()
+    seen = {}
+
+    class Extra(saveable):
+        def _obj_type(self):
+            return "Optimizer"
+
+        def save_own_variables(self, store):
+            store["x"] = np.array(3.0, "float32")
+
+        def load_own_variables(self, store):
+            seen.update({k: float(np.asarray(store[k])) for k in store.keys()})
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(), "mse")
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.extra_state = Extra()
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    model.load_weights(path)
+    assert seen == {"x": 3.0}, _changed(
+        "KerasSaveable (saving_lib's walk of an optimizer's attributes)")
 
 
 def test_operation_class_owns_layer_from_config():
@@ -438,6 +477,46 @@ def test_jax_unsynced_state_is_the_running_fit_state():
         model.trainable_variables[0].value))
 
 
+def test_jax_coordination_client_is_a_key_value_store(tmp_path):
+    # A fresh process (jax.distributed.initialize is once per process), one
+    # process of one: the client exists, a value set is read back, and a
+    # missing key times out instead of blocking.
+    pytest.importorskip("jax")
+    import subprocess
+    import sys
+
+    from _helpers import free_ports
+    from _helpers import subprocess_env
+
+    script = tmp_path / "kv.py"
+    script.write_text(
+        "import sys, time, jax\n"
+        "from kerasmp import _keras_internals as ki\n"
+        "assert ki.jax_coordination_client() is None\n"
+        "jax.distributed.initialize(\n"
+        "    coordinator_address=f'127.0.0.1:{sys.argv[1]}',\n"
+        "    num_processes=1, process_id=0)\n"
+        "client = ki.jax_coordination_client()\n"
+        "client.key_value_set('kerasmp/test/0', 'settings')\n"
+        "got = client.blocking_key_value_get('kerasmp/test/0', 1000)\n"
+        "start = time.time()\n"
+        "try:\n"
+        "    client.blocking_key_value_get('kerasmp/test/1', 200)\n"
+        "    late = 'no timeout'\n"
+        "except Exception as e:\n"
+        "    late = 'DEADLINE_EXCEEDED' in str(e) and time.time() - start\n"
+        "print('RESULT', got, late < 30)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), str(free_ports(1)[0])],
+        capture_output=True, text=True, timeout=120,
+        env=subprocess_env("jax"),
+    )
+    assert "RESULT settings True" in out.stdout, (
+        _changed("the JAX coordination service client") + out.stderr[-2000:]
+    )
+
+
 def test_jax_step_batches_splits_an_execution_into_steps():
     if keras.backend.backend() != "jax":
         pytest.skip("the JAX trainer's iterator")
@@ -562,6 +641,21 @@ def test_tflite_schema_reads_a_flatbuffer():
         "tensorflow.lite.python.schema_py_generated.Model")
 
 
+def test_litert_schema_round_trips_a_flatbuffer():
+    pytest.importorskip("ai_edge_litert")
+    schema = ki.litert_schema()  # raises if ai_edge_litert moved it
+    import flatbuffers
+
+    model = schema.ModelT()
+    model.version = 3
+    model.buffers = [schema.BufferT()]
+    builder = flatbuffers.Builder(64)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    again = schema.ModelT.InitFromPackedBuf(builder.Output(), 0)
+    assert again.version == 3 and len(again.buffers) == 1, _changed(
+        "ai_edge_litert.schema_py_generated.ModelT")
+
+
 # ------------------------------------------------------ no other access
 
 ROOT = pathlib.Path(kerasmp.__file__).parent
@@ -680,6 +774,48 @@ class _Finder(ast.NodeVisitor):
             owner = target.id if isinstance(target, ast.Name) else "<expr>"
             self._record(node.lineno, owner, node.args[1].value)
         self.generic_visit(node)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile")
+def test_compile_inline_only_skips_the_frame_and_still_inlines():
+    import torch
+
+    def plain(x, obj):
+        return x * obj.value
+
+    def scale(x, obj):
+        return x * obj.value
+
+    # Marked before Dynamo compiles it (`torch._dynamo.reset()` drops the
+    # mark of a code it had compiled; kerasmp marks its own at import).
+    ki.compile_inline_only(scale)
+
+    class A:
+        value = 2.0
+
+    class B:
+        value = 3.0
+
+    def frames_compiled(fn):
+        torch._dynamo.reset()
+        before = torch._dynamo.utils.counters["frames"]["total"]
+        for obj in (A(), B(), A(), B()):
+            assert float(fn(torch.ones(()), obj)) == obj.value
+        return torch._dynamo.utils.counters["frames"]["total"] - before
+
+    # Met as a frame of its own: compiled for A, again for B.
+    unmarked = frames_compiled(torch.compile(plain, backend="eager"))
+    marked = frames_compiled(torch.compile(scale, backend="eager"))
+    assert (unmarked, marked) == (2, 0), (
+        f"torch {torch.__version__} changed set_code_exec_strategy: the "
+        f"frames compiled, unmarked and marked, are {(unmarked, marked)}"
+    )
+    # Traced inline where a compiled frame calls it: no graph break.
+    inline = torch.compile(lambda x, o: scale(x, o) + 1.0, backend="eager",
+                           fullgraph=True)
+    assert float(inline(torch.ones(()), A())) == 3.0
+    torch._dynamo.reset()
 
 
 def test_no_private_keras_access_outside_the_seam():

@@ -86,13 +86,29 @@ def _parity(y, reference, gate):
     return rel
 
 
-def _dtypes_kept(model, saved):
-    """Refuses a model whose layers compute in other dtypes than saved."""
+# Keras's own normalization layers compute in float32 inside whatever their
+# policy (they upcast their input and cast the output back): kerasmp saves
+# its float32 override of one as the governing mixed policy, which plain
+# Keras reads as that (kerasmp/policy/saving.py, `portable_policy_name`).
+_UPCASTING = ("BatchNormalization", "LayerNormalization",
+              "GroupNormalization")
+
+
+def _dtypes_kept(model, saved, plain):
+    """Refuses a model whose layers compute in other dtypes than saved
+    (for `plain` Keras, a Keras normalization layer saved float32 may
+    compute in the half dtype: it computes in float32 inside)."""
+    from zoo import spec
+
     from handoffs.produce import dtypes
 
     now = dtypes(model)
-    changed = {p: (d, now[p]) for p, d in saved.items()
-               if p in now and now[p] != d}
+    classes = {p: type(layer).__name__ for p, layer in spec.walk(model)}
+    changed = {
+        p: (d, now[p]) for p, d in saved.items()
+        if p in now and now[p] != d
+        and not (plain and classes.get(p) in _UPCASTING and d == "float32")
+    }
     if changed:
         first, (was, got) = next(iter(changed.items()))
         raise Refused(f"dtypes: {len(changed)} layer(s) compute in other "
@@ -158,7 +174,7 @@ def training_file(job, manifest, kerasmp):
             raise Refused("load: loaded without its compile state")
     out["optimizer"] = type(model.optimizer).__name__
     if kerasmp is not None or job["artifact"] != "weights":
-        _dtypes_kept(model, manifest["dtypes"])
+        _dtypes_kept(model, manifest["dtypes"], plain=kerasmp is None)
     y = _step("run", model.predict, _inputs(folder), 0, 0)
     reference = np.load(os.path.join(folder, "trained.npy"))
     out["rel_diff"] = _parity(y, reference, job["gate"])

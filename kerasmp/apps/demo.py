@@ -21,18 +21,30 @@ Artifacts, under `--out` (default `./kerasmp-demo`):
   half-precision export (`model_bf16...` with `--policy mixed_bfloat16`),
 - `summary.json`: everything the table shows, and more.
 
-A run first removes the artifacts an earlier demo run left in `--out` (the
-names above, `ARTIFACT_NAMES`; nothing else in the folder), so the folder and
-the list the demo prints hold only what this run wrote.
+A run writes into a staging folder inside `--out` (as `kerasmp.export` does
+beside its path) and, once everything is written, moves its artifacts into
+place and takes away what an earlier demo run left there (the names above,
+`ARTIFACT_NAMES`; nothing else in the folder), so the folder and the list
+the demo prints hold only what this run wrote. An interrupted run (Ctrl-C,
+SIGTERM, an error) leaves the earlier run's artifacts as they were, and no
+staging folder.
+
+On PyTorch the demo trains with one CPU thread (`torch.set_num_threads(1)`
+while it runs, unless `OMP_NUM_THREADS` is set): the model is so small that
+synchronizing torch's intra-op threads costs more than they save, and on a
+busy machine (other processes on the cores) a step took 10x longer with two
+threads than with one, in stock Keras as under kerasmp (docs/benchmarks.md).
 """
 
+import contextlib
 import csv
 import datetime
 import json
 import math
 import os
-import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -328,14 +340,57 @@ def _device():
         return f"unknown ({e})"
 
 
-def _remove_earlier_artifacts(out):
-    """Removes what an earlier demo run wrote in `out` (`ARTIFACT_NAMES`)."""
-    for name in ARTIFACT_NAMES:
-        path = os.path.join(out, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        elif os.path.lexists(path):
-            os.remove(path)
+# The name the demo's staging in `out` is made for: its lock file is
+# `.kerasmp-export-lock-<this>` (two demos into one folder: the second stops
+# at once), its folder `.kerasmp-export-<pid>-...` (removed on every exit
+# Python sees; the next run removes those of killed runs).
+_STAGE_TARGET = "kerasmp-demo-run"
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM wait until the block is done (main thread only).
+
+    The artifacts are moved into place one rename each: deferring the
+    signals over those few renames means an interrupt never leaves some
+    artifacts of the new run beside some of the old one.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    held = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        old = signal.getsignal(signum)
+        if old in (signal.SIG_IGN, None):
+            continue
+        held[signum] = old
+        signal.signal(signum, lambda n, frame: caught.append(n))
+    try:
+        yield
+    finally:
+        for signum, old in held.items():
+            signal.signal(signum, old)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)  # now handled as it would have been
+
+
+def _publish_run(stage, out, names):
+    """Moves this run's artifacts (`names`, in `stage.dir`) into `out`.
+
+    Each one replaces its earlier version with one atomic rename; earlier
+    artifacts this run did not write (another policy's export, TensorFlow's
+    SavedModel after a run on another backend) are moved into the staging
+    folder, which goes when the staging closes.
+    """
+    with _signals_deferred():
+        for name in names:
+            stage.publish(os.path.join(stage.dir, name), True,
+                          os.path.join(out, name))
+        for name in ARTIFACT_NAMES:
+            path = os.path.join(out, name)
+            if name not in names and os.path.lexists(path):
+                os.rename(path, os.path.join(stage.dir, "earlier-" + name))
 
 
 def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
@@ -344,9 +399,11 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
 
     Args:
         out: Folder for the artifacts (created if needed; its parent
-            folder must exist). The artifacts of
-            an earlier run there (`ARTIFACT_NAMES`) are removed first, so
-            it holds only what this run writes; other files are left.
+            folder must exist). The run is written into a staging folder
+            there and replaces the artifacts of an earlier run
+            (`ARTIFACT_NAMES`) only once it is complete, so the folder then
+            holds only what this run wrote; other files are left. An
+            interrupted run leaves the earlier artifacts as they were.
         policy: `"mixed_float16"` (default; with loss scaling) or
             `"mixed_bfloat16"` (no loss scaling needed).
         epochs: Training epochs of each run. Defaults to 12, or 2 with
@@ -371,13 +428,56 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     summary["runs"]["mixed"]["final_loss_scale"]
     ```
     """
-    from kerasmp.data import load_digits
-    from kerasmp.policy.policy import Policy
+    from kerasmp.export.publish import Staging
 
     _check_args(policy, epochs, seed, quick, batch_size)
     out = check_output_folder(out, "out")
     os.makedirs(out, exist_ok=True)
-    _remove_earlier_artifacts(out)
+    try:
+        stage = Staging(os.path.join(out, _STAGE_TARGET)).__enter__()
+    except FileExistsError:
+        raise FileExistsError(
+            f"Another kerasmp demo is writing into `out` {out!r} right now; "
+            "nothing was changed. Wait for it or choose another --out."
+        ) from None
+    with contextlib.ExitStack() as closing:
+        closing.push(stage.__exit__)  # the staging goes on every exit
+        with _one_torch_thread():
+            summary, names = _run(stage.dir, out, policy, epochs, seed, quick,
+                                  batch_size, verbose)
+        _publish_run(stage, out, names)
+    if verbose:
+        print(format_summary(summary))
+    return summary
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    """One intra-op CPU thread on PyTorch while the demo runs (see above)."""
+    if keras.backend.backend() != "torch" or os.environ.get(
+        "OMP_NUM_THREADS"
+    ):
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(work, out, policy, epochs, seed, quick, batch_size, verbose):
+    """The demo, written into `work`; the summary names paths in `out`.
+
+    Returns:
+        `(summary, names)`: `names` are the artifacts written in `work`.
+    """
+    from kerasmp.data import load_digits
+    from kerasmp.policy.policy import Policy
+
     if epochs is None:
         epochs = DEMO_QUICK_EPOCHS if quick else DEMO_DEFAULT_EPOCHS
     data = load_digits(seed=0)
@@ -392,14 +492,14 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
     say("\n[1/2] float32")
     _, runs["float32"], history32, _ = _train(
         "float32", keras.DTypePolicy("float32"), data, epochs, seed,
-        batch_size, out, verbose,
+        batch_size, work, verbose,
     )
     histories.append(("float32", history32))
     say(f"\n[2/2] {policy} (kerasmp.Policy"
         + (" + LossScaleOptimizer" if policy == "mixed_float16" else "")
         + " + monitors)")
     model, runs["mixed"], history_mp, monitor = _train(
-        policy, Policy(policy), data, epochs, seed, batch_size, out,
+        policy, Policy(policy), data, epochs, seed, batch_size, work,
         verbose,
     )
     histories.append((policy, history_mp))
@@ -407,27 +507,28 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
 
     artifacts = {}
     notes = []
-    history_path = os.path.join(out, "history.csv")
-    _write_history(history_path, histories)
-    artifacts["history_csv"] = history_path
-    png = os.path.join(out, "loss_scale.png")
-    why_not = _plot(monitor if runs["mixed"]["loss_scaling"] else None, png,
+    _write_history(os.path.join(work, "history.csv"), histories)
+    artifacts["history_csv"] = "history.csv"
+    why_not = _plot(monitor if runs["mixed"]["loss_scaling"] else None,
+                    os.path.join(work, "loss_scale.png"),
                     f"kerasmp demo: {policy} loss scale")
-    artifacts["loss_scale_png"] = None if why_not else png
+    artifacts["loss_scale_png"] = None if why_not else "loss_scale.png"
     if why_not:
         notes.append(f"loss_scale.png skipped: {why_not}")
-    artifacts["events_jsonl"] = os.path.join(out, "events.jsonl")
-    model_path = os.path.join(out, "model.keras")
-    model.save(model_path)
-    artifacts["model"] = model_path
+    artifacts["events_jsonl"] = "events.jsonl"
+    model.save(os.path.join(work, "model.keras"))
+    artifacts["model"] = "model.keras"
 
     say("exporting the mixed-precision model in half precision ...")
     dtype = "float16" if policy == "mixed_float16" else "bfloat16"
-    exports = _export(model, out, dtype, x_test, y_test)
+    exports = _export(model, work, dtype, x_test, y_test)
     for e in exports:
-        artifacts[f"export_{e['format']}"] = e["path"]
-    summary_path = os.path.join(out, "summary.json")
-    artifacts["summary_json"] = summary_path
+        e["path"] = os.path.join(out, os.path.basename(e["path"]))
+        artifacts[f"export_{e['format']}"] = os.path.basename(e["path"])
+    artifacts["summary_json"] = "summary.json"
+    names = [name for name in artifacts.values() if name]
+    artifacts = {key: name and os.path.join(out, name)
+                 for key, name in artifacts.items()}
 
     diff = 100.0 * (runs["mixed"]["test_accuracy"]
                     - runs["float32"]["test_accuracy"])
@@ -459,11 +560,10 @@ def run_demo(out="kerasmp-demo", policy="mixed_float16", epochs=None,
         "notes": notes,
         "total_time_s": round(time.perf_counter() - started, 3),
     }
-    with open(summary_path, "w", encoding="utf-8") as f:
+    with open(os.path.join(work, "summary.json"), "w",
+              encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
-    if verbose:
-        print(format_summary(summary))
-    return summary
+    return summary, names
 
 
 def _kerasmp_version():

@@ -356,8 +356,9 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     - `"savedmodel"` (TensorFlow or JAX): a TensorFlow SavedModel,
       `serving_default` signature, each variable stored once;
       `tf.saved_model.load(path)` serves it without Keras or kerasmp.
-    - `"tflite"` (extra `kerasmp[tflite]`; from PyTorch, the `litert-torch`
-      package): a float32 graph with float16 weights (TFLite cannot run a
+    - `"tflite"` (extra `kerasmp[tflite]`; from PyTorch
+      `kerasmp[tflite-torch]`, litert-torch, and the file takes one example
+      per call): a float32 graph with float16 weights (TFLite cannot run a
       float16 graph); run it with `ai_edge_litert`.
     - `"onnx"` (extra `kerasmp[onnx]`; TensorFlow or PyTorch): the
       half-precision graph, float16 weights (tf2onnx, exact GELU's `Erfc`

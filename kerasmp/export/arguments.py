@@ -9,6 +9,11 @@ import keras
 
 from kerasmp._utils.layers import walk
 from kerasmp.policy import policy as _policy
+from kerasmp.policy.advice import class_hint
+from kerasmp.policy.advice import describe
+from kerasmp.policy.advice import matches_a_layer
+from kerasmp.policy.advice import model_layers
+from kerasmp.policy.advice import nearest_layers
 
 
 def check_dtype(dtype, allowed, argname="dtype"):
@@ -65,30 +70,19 @@ _LISTED_LAYERS = 12
 
 def _check_patterns_match(model, rules):
     """Raises a ValueError for a name pattern of `rules` that matches no
-    layer of `model`, listing its layers (names and classes)."""
-    layers = [layer for _, layer in walk(model)
-              if not isinstance(layer, keras.layers.InputLayer)]
+    layer of `model`, listing its layers (names and classes), the nearest
+    names first (`kerasmp.policy.advice`, which `compile`'s warning for
+    a `float32_layers` pattern uses too)."""
+    layers = model_layers(model)[1:]
     for rule in rules:
-        if not isinstance(rule, re.Pattern):
+        if not isinstance(rule, re.Pattern) or matches_a_layer(rule, layers):
             continue
-        matcher = _policy.Policy("mixed_float16", float32_layers=(rule,))
-        if any(matcher.float32_rule(layer) for layer in layers):
-            continue
-        listed = ", ".join(f"{l.name!r} ({type(l).__name__})"
-                           for l in layers[:_LISTED_LAYERS])
+        listed = describe(nearest_layers(rule, layers)[:_LISTED_LAYERS])
         if len(layers) > _LISTED_LAYERS:
             listed += f", and {len(layers) - _LISTED_LAYERS} more"
-        classes = {type(l).__name__: type(l) for l in layers}
-        hint = ""
-        if rule.pattern in classes:
-            cls = classes[rule.pattern]
-            name = (f"keras.layers.{rule.pattern}"
-                    if getattr(keras.layers, rule.pattern, None) is cls
-                    else "itself")
-            hint = (f"; to keep every {rule.pattern} layer, pass the class "
-                    f"{name}")
         raise ValueError(
             f"Invalid `keep_float32`: the pattern {rule.pattern!r} matches "
             f"no layer of {model.name!r} (a pattern must match a whole "
-            f"layer name, case included; its layers: {listed}){hint}."
+            f"layer name, case included; its layers, nearest first: "
+            f"{listed}){class_hint(rule, layers)}."
         )

@@ -89,7 +89,8 @@ def decide(model, dtype, rules):
     """
     if dtype == "float32":
         return {}, set()
-    rule_policy = _policy.Policy(dtype, float32_layers=rules)
+    rule_policy = _policy.Policy(dtype, float32_layers=rules,
+                                 float32_defaults=False)
     kept, out_of_range = {}, set()
     ancestors = {}
     layers = list(walk(model))
@@ -148,6 +149,9 @@ def _measured_rule(layer):
     stored = _policy.stored_policy(layer)
     if isinstance(stored, _policy.Float32Override):
         return stored.rule
+    if isinstance(stored, _policy.Policy):  # a reloaded model's: by path
+        entry = stored.measured.get(getattr(layer, "path", None))
+        return entry.get("rule") if entry else None
     return None
 
 

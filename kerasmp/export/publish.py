@@ -223,12 +223,26 @@ class Staging:
                 pass
             os.close(fd)
 
-    def publish(self, staged, overwrite):
-        """Moves `staged` to `path` atomically; see `_publish`."""
+    def publish(self, staged, overwrite, path=None):
+        """Moves `staged` to `path` atomically; see `_publish`.
+
+        `path` defaults to the staging's own; another path (one of several
+        artifacts published from one staging folder, as the demo does) must
+        be in the same folder, so the rename stays atomic.
+        """
+        path = self.path if path is None else path
+        backup = "previous"
+        if path != self.path:
+            if os.path.dirname(os.path.abspath(path)) != self.parent:
+                raise ValueError(
+                    f"{path!r} is not in the staging's folder "
+                    f"{self.parent!r}.")
+            # Not `previous`: only the staging's own path is put back by
+            # `_clean_stale`.
+            backup = "previous-" + os.path.basename(path)
         if _before_publish is not None:
-            _before_publish(staged, self.path)
-        _publish(staged, self.path, overwrite,
-                 os.path.join(self.dir, "previous"))
+            _before_publish(staged, path)
+        _publish(staged, path, overwrite, os.path.join(self.dir, backup))
 
 
 _AT_FDCWD = -100

@@ -9,7 +9,10 @@ sentence each, pointing at the user's call.
   onnxruntime's graph rewriters, XNNPACK's INFO line), the Python loggers
   of the frameworks are raised to ERROR (`INFO:tensorflow:Assets written
   to ...`, absl's "unsaved custom gradients", torch.onnx's registrations)
-  and their Python warnings are ignored (numpy FutureWarnings).
+  and their Python warnings are ignored (numpy FutureWarnings);
+  litert-torch's progress lines (`[START]/[DONE] LiteRT-Torch Convert`,
+  printed on stdout through `rich`) are turned off through its
+  `LITERT_TORCH_SHOW_PROGRESS` setting.
 - `say(message)`: a kerasmp warning. Inside `collected()` (what `export`
   opens) it is kept and `collected` warns each message once on exit; else
   it warns now. Either way its `stacklevel` points at the first frame
@@ -18,12 +21,15 @@ sentence each, pointing at the user's call.
 
 import contextlib
 import logging
+import os
 import sys
 import warnings
 
 from kerasmp._utils.stderr import fd2_silenced
 from kerasmp._utils.warn import user_stacklevel
 
+# litert-torch's switch for its progress lines, read at each conversion.
+_LITERT_PROGRESS = "LITERT_TORCH_SHOW_PROGRESS"
 # The loggers the converters write to (Python `logging`).
 _LOGGERS = ("tensorflow", "absl", "jax", "jax._src", "torch", "torch.onnx",
             "torch.export", "torch._dynamo", "torch.fx", "onnxscript",
@@ -86,7 +92,9 @@ def converters(verbose=False):
     levels = [logger.level for logger in loggers]
     absl = sys.modules.get("absl.logging")
     absl_level = absl.get_verbosity() if absl is not None else None
+    progress = os.environ.get(_LITERT_PROGRESS)
     try:
+        os.environ[_LITERT_PROGRESS] = "0"
         for logger in loggers:
             logger.setLevel(logging.ERROR)
         if absl is not None:
@@ -95,6 +103,10 @@ def converters(verbose=False):
             warnings.simplefilter("ignore")
             yield
     finally:
+        if progress is None:
+            os.environ.pop(_LITERT_PROGRESS, None)
+        else:
+            os.environ[_LITERT_PROGRESS] = progress
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
         if absl is not None:

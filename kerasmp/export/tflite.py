@@ -16,8 +16,13 @@ can also mis-lower a dynamic batch, so there each conversion is checked
 against the model on a few inputs (`verify`) and the last resort fixes the
 batch to 1. Where Flex ops remain, it raises `NeedsFlexOps`, naming each op
 and the layer it comes from.
+
+From PyTorch, `litert_torch.convert` writes the file (`_write_tflite_torch`:
+the float32 model, one example per call, inputs named as the model's) and
+`half_weights` stores its float32 constants in float16.
 """
 
+import keyword
 import os
 import re
 import shutil
@@ -214,7 +219,7 @@ def write_tflite(model, path, specs, dtype, io_dtype, example=None):
     length is fixed to `example`'s when that avoids Flex ops (see
     `convert`)."""
     if keras.backend.backend() == "torch":
-        _write_tflite_torch(model, path, specs, io_dtype, example)
+        _write_tflite_torch(model, path, specs, dtype, io_dtype, example)
         return
     import tensorflow as tf
 
@@ -295,6 +300,8 @@ def run_tflite(path, arrays, specs):
     interpreter = Interpreter(model_path=path)
     runner = interpreter.get_signature_runner("serving_default")
     names = [name for name, _, _ in specs]
+    if keras.backend.backend() == "torch":  # see `_named_module`
+        names = signature_names(specs)
     out_names = sorted(
         interpreter.get_signature_list()["serving_default"]["outputs"],
         key=output_order,
@@ -329,19 +336,159 @@ def weights_tflite(path):
     return total
 
 
-def _write_tflite_torch(model, path, specs, io_dtype, example):
-    """From PyTorch: `litert_torch.convert` of the serving module (the
-    float32 model, the parity inputs' first rows as its sample), as stock
-    Keras's `model.export(format="litert")` does there. litert-torch has
-    no float16-weight option, so the weights stay float32 (the report's
-    `weight_ratio` says so). Not run in kerasmp's tests (litert-torch is
-    not installed there)."""
+def signature_names(specs):
+    """The names of the TFLite signature inputs of a file written from
+    PyTorch, one per spec: the model's input names, made Python identifiers
+    (the file names its inputs after the arguments of the module it
+    converts; see `_named_module`)."""
+    names = []
+    for name, _, _ in specs:
+        text = re.sub(r"\W", "_", name)
+        if not text.isidentifier() or keyword.iskeyword(text):
+            text = "input_" + text
+        names.append(text)
+    if len(set(names)) != len(names):  # two names that differ in `\W`
+        names = [f"{n}_{i}" for i, n in enumerate(names)]
+    return names
+
+
+def _named_module(model, specs, io_dtype):
+    """The serving module (`pt2.serving_module`) with one named argument
+    per input (`signature_names`), so that the converted file's signature
+    takes the model's input names, as the other TFLite routes do."""
+    import torch
+
+    from kerasmp.export.pt2 import serving_module
+
+    names = signature_names(specs)
+    code = (f"def forward(self, {', '.join(names)}):\n"
+            f"    return self.serve({', '.join(names)})\n")
+    scope = {}
+    exec(code, scope)  # the names are identifiers
+    named = type("Named", (torch.nn.Module,), {"forward": scope["forward"]})
+    module = named()
+    module.serve = serving_module(model, specs, io_dtype)
+    return module.eval(), names
+
+
+def _write_tflite_torch(model, path, specs, dtype, io_dtype, example):
+    """From PyTorch: `litert_torch.convert` of the serving module of the
+    float32 model (`model`: float32 compute, as on the TensorFlow route),
+    its inputs named after the model's; then, for `dtype="float16"`, every
+    float32 weight stored in float16 behind a DEQUANTIZE op
+    (`half_weights`: what the TensorFlow converter's float16 option
+    writes, which litert-torch lacks).
+
+    The file takes one example per call, every other dimension fixed to
+    the parity inputs' (said once where the model leaves one unknown):
+    litert-torch 0.10 lowers Keras's ops with a free batch to shapes it
+    then refuses (`Only non-negative indices are allowed when broadcasting
+    static shapes`, on two Dense layers), and each such try costs
+    seconds."""
     import litert_torch
+    import torch
 
     from kerasmp.export.pt2 import sample_args
-    from kerasmp.export.pt2 import serving_module as torch_module
 
     source = model.source_model() if isinstance(model, HalfModel) else model
-    module = torch_module(source, specs, io_dtype)
-    edge = litert_torch.convert(module, sample_args(specs, example, io_dtype))
+    module, names = _named_module(model, specs, io_dtype)
+    args = tuple(a[:1] for a in sample_args(specs, example, io_dtype))
+    try:
+        with torch.no_grad():
+            edge = litert_torch.convert(
+                module, sample_kwargs=dict(zip(names, args)))
+    except Exception as e:  # torch.export's or the converter's error
+        raise ValueError(
+            f"format='tflite' cannot convert {source.name!r} from PyTorch "
+            f"(litert-torch): {summary(e)}; export it to 'onnx' or "
+            "'torch', or its .keras to 'tflite' with "
+            "KERAS_BACKEND=tensorflow.") from e
+    if any(d is None for _, s, _ in specs for d in s[1:]):
+        shapes = ", ".join(f"{n}: {tuple(a.shape)}"
+                           for (n, _, _), a in zip(specs, args))
+        say(f"kerasmp.export: the TFLite file of {source.name!r} takes "
+            f"inputs of fixed shape ({shapes}; one example per call): "
+            "litert-torch converts fixed shapes only. Pass `sample=` "
+            "inputs of the length you serve.")
     edge.export(path)
+    if dtype == "float16":
+        with open(path, "rb") as f:
+            flat = half_weights(f.read())
+        with open(path, "wb") as f:
+            f.write(flat)
+
+
+def half_weights(flat):
+    """The .tflite flatbuffer `flat` with each float32 constant stored in
+    float16 and read through a DEQUANTIZE op to float32: the float32 graph
+    with float16 weights that the TensorFlow converter writes with
+    `supported_types=[tf.float16]`. A constant that float16 cannot hold
+    (a value beyond its range, or a nonzero one that rounds to zero, such
+    as a 1e-12 epsilon) stays float32."""
+    import flatbuffers
+
+    schema = _ki.litert_schema()
+    model = schema.ModelT.InitFromPackedBuf(flat, 0)
+    float32, float16 = schema.TensorType.FLOAT32, schema.TensorType.FLOAT16
+    opcode = _dequantize_opcode(model, schema)
+    halves = {}  # float32 buffer -> its float16 buffer (or None: kept)
+    for graph in model.subgraphs or []:
+        ops = []
+        inputs = set(np.asarray(graph.inputs or [], int).tolist())
+        for index, tensor in enumerate(list(graph.tensors or [])):
+            buffer = model.buffers[tensor.buffer] if tensor.buffer else None
+            if (tensor.type != float32 or buffer is None or tensor.isVariable
+                    or buffer.data is None or len(buffer.data) == 0
+                    or index in inputs):
+                continue
+            if tensor.buffer not in halves:
+                halves[tensor.buffer] = _half_buffer(buffer, schema, model)
+            half = halves[tensor.buffer]
+            if half is None:
+                continue
+            copy = schema.TensorT()
+            copy.shape, copy.type, copy.buffer = tensor.shape, float16, half
+            copy.name = (tensor.name or b"") + b"_float16"
+            copy.shapeSignature, copy.hasRank = (tensor.shapeSignature,
+                                                 tensor.hasRank)
+            graph.tensors.append(copy)
+            tensor.buffer = 0  # now computed: DEQUANTIZE(copy)
+            op = schema.OperatorT()
+            op.opcodeIndex = opcode
+            op.inputs, op.outputs = [len(graph.tensors) - 1], [index]
+            ops.append(op)
+        graph.operators = ops + list(graph.operators or [])
+    for old, half in halves.items():
+        if half is not None:  # no float32 reader left
+            model.buffers[old] = schema.BufferT()
+    builder = flatbuffers.Builder(len(flat) + 1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def _half_buffer(buffer, schema, model):
+    """Appends the float16 copy of a float32 `buffer` to `model.buffers`
+    and returns its index, or None if float16 cannot hold it."""
+    values = np.frombuffer(np.asarray(buffer.data, np.uint8).tobytes(),
+                           "<f4")
+    half = values.astype("<f2")
+    if not np.all(np.isfinite(half)) or np.any((half == 0) & (values != 0)):
+        return None
+    copy = schema.BufferT()
+    copy.data = np.frombuffer(half.tobytes(), np.uint8)
+    model.buffers.append(copy)
+    return len(model.buffers) - 1
+
+
+def _dequantize_opcode(model, schema):
+    """The index of the DEQUANTIZE operator code of `model`, added if
+    missing."""
+    code = schema.BuiltinOperator.DEQUANTIZE
+    for i, op in enumerate(model.operatorCodes or []):
+        if max(op.builtinCode, op.deprecatedBuiltinCode) == code:
+            return i
+    op = schema.OperatorCodeT()
+    op.builtinCode = op.deprecatedBuiltinCode = code
+    op.version = 1
+    model.operatorCodes = list(model.operatorCodes or []) + [op]
+    return len(model.operatorCodes) - 1

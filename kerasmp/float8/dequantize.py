@@ -22,7 +22,8 @@ def _plain_policy(policy):
         policy = policy.policy
     if isinstance(getattr(policy, "float8", None), Float8Rule):
         return type(policy)(base_name(policy.name),
-                            float32_layers=policy.float32_layers)
+                            float32_layers=policy.float32_layers,
+                            float32_defaults=False)
     if hasattr(policy, "rule") and hasattr(policy, "policy"):  # override
         return type(policy)(_plain_policy(policy.policy), policy.rule)
     if isinstance(policy, keras.dtype_policies.QuantizedFloat8DTypePolicy):

@@ -4,7 +4,9 @@
   JAX apply paths, its state variables and config);
 - `scale_rule`: the rule as a pure function (`ScaleRule`, `ScaleState`,
   `next_state`);
-- `arguments`: the checks of its arguments at construction.
+- `arguments`: the checks of its arguments at construction;
+- `saving`: how it is saved so that plain Keras loads the file (a stock
+  config plus a `"kerasmp"` entry; kerasmp's own state apart).
 """
 
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer

@@ -15,6 +15,7 @@ ops) and assigns the results; the JAX path (`stateless_apply`, also used by
 """
 
 import dataclasses
+import inspect
 import numbers
 
 import keras
@@ -28,6 +29,10 @@ from kerasmp.optimizer.arguments import DEFAULT_INITIAL_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MAX_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MIN_SCALE
 from kerasmp.optimizer.arguments import validate
+from kerasmp.optimizer.saving import ScaleStateStore
+from kerasmp.optimizer.saving import kerasmp_variables
+from kerasmp.optimizer.saving import load_layout
+from kerasmp.optimizer.saving import save_stock_layout
 from kerasmp.optimizer.scale_rule import ScaleRule
 from kerasmp.optimizer.scale_rule import ScaleState
 from kerasmp.optimizer.scale_rule import next_state
@@ -123,16 +128,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name=None,
         **kwargs,
     ):
-        if _is_stock(inner_optimizer):
-            stock = inner_optimizer
-            inner_optimizer = stock.inner_optimizer
-            if initial_scale is DEFAULT_INITIAL_SCALE:
-                initial_scale = _current_scale(stock)
-            if dynamic_growth_steps is DEFAULT_GROWTH_STEPS:
-                dynamic_growth_steps = stock.dynamic_growth_steps
-            name = stock.name if name is None else name
-        auto = isinstance(initial_scale, str) and initial_scale == AUTO
-        initial_scale = validate(
+        inner_optimizer, settings, name = _settings(
             inner_optimizer,
             initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps,
@@ -143,22 +139,50 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             min_scale=min_scale,
             max_scale=max_scale,
             dynamic=dynamic,
+            name=name,
         )
         super().__init__(
             inner_optimizer,
-            initial_scale=initial_scale,
-            dynamic_growth_steps=int(dynamic_growth_steps),
+            initial_scale=settings["initial_scale"],
+            dynamic_growth_steps=settings["dynamic_growth_steps"],
             name=name,
             **kwargs,
         )
-        self.auto = auto
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.hysteresis = int(hysteresis)
-        self.consecutive_hysteresis = bool(consecutive_hysteresis)
-        self.min_scale = float(min_scale)
-        self.max_scale = None if max_scale is None else float(max_scale)
-        self.dynamic = bool(dynamic)
+        for key, value in settings.items():
+            setattr(self, key, value)
+        # kerasmp's own state, where a file keeps it apart from the stock
+        # optimizer's (kerasmp.optimizer.saving).
+        self.kerasmp_scale_state = ScaleStateStore(self._kerasmp_variables)
+
+    @classmethod
+    def settings_for(cls, optimizer):
+        """The settings of `LossScaleOptimizer(optimizer)`, without making
+        it (making an optimizer creates variables: under a distribution,
+        collectives): `{attribute: value}` for `auto`, `initial_scale`,
+        `dynamic_growth_steps`, `growth_factor`, `backoff_factor`,
+        `hysteresis`, `consecutive_hysteresis`, `min_scale`, `max_scale`,
+        `dynamic`. For a kerasmp `LossScaleOptimizer`, its own.
+
+        Args:
+            optimizer: a Keras optimizer (or Keras's own
+                `LossScaleOptimizer`, whose scale and interval are kept).
+
+        Example:
+
+        >>> settings = LossScaleOptimizer.settings_for(keras.optimizers.SGD())
+        >>> settings["hysteresis"], settings["max_scale"]
+        (1, 16777216.0)
+        """
+        if isinstance(optimizer, cls):
+            return {key: getattr(optimizer, key) for key in _SETTINGS}
+        defaults = {
+            key: parameter.default
+            for key, parameter in inspect.signature(
+                cls.__init__
+            ).parameters.items()
+            if parameter.default is not parameter.empty
+        }
+        return _settings(optimizer, **defaults)[1]
 
     # ------------------------------------------------------------------ state
 
@@ -238,6 +262,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         return state
 
+    def _kerasmp_variables(self):
+        """`{name: variable}` of the state stock Keras's optimizer lacks."""
+        return kerasmp_variables(self) if self.built else {}
+
+    def save_own_variables(self, store):
+        # kerasmp.optimizer.saving: stock Keras's layout here, the rest in
+        # `kerasmp_scale_state`.
+        save_stock_layout(self, store)
+
+    def load_own_variables(self, store):
+        if not load_layout(self, store):
+            super().load_own_variables(store)  # Keras's warning, no load
+
     def read_state(self, value_of=ops.convert_to_tensor):
         """The `ScaleState` the variables hold now (after a step: whether
         it was skipped, the scale, the counts).
@@ -303,7 +340,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.auto:
             return None
-        return ops.cond(
+        return _branch(
             ops.equal(iterations, 0),
             lambda: _max_abs(grads),
             lambda: ops.zeros((), "float32"),
@@ -313,14 +350,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Applies (unless the accumulation window is being discarded), then
         updates the state as after a finite step."""
         if self._accumulation_steps:
-            ops.cond(ops.equal(self.discarded_micro_steps, 0), apply_fn, _no_op)
+            _branch(ops.equal(self.discarded_micro_steps, 0), apply_fn, _no_op)
         else:
             apply_fn()
         self._update_state(True, peak)
 
     def _stateful_apply(self, grads, trainable_variables, finite, peak=None):
         """Applies or skips, then updates the scale state (TF, torch)."""
-        ops.cond(
+        _branch(
             finite,
             lambda: self._finite_step(
                 lambda: self._apply_inner(grads, trainable_variables), peak
@@ -337,7 +374,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         for key, value in after.changed(before).items():
             variables[key].assign(ops.cast(value, variables[key].dtype))
         if reset is not False:
-            ops.cond(
+            _branch(
                 reset,
                 lambda: _ki.reset_gradient_accumulators(self.inner_optimizer),
                 _no_op,
@@ -526,8 +563,86 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 
 
+_SETTINGS = ("auto", "initial_scale", "dynamic_growth_steps",
+             "growth_factor", "backoff_factor", "hysteresis",
+             "consecutive_hysteresis", "min_scale", "max_scale", "dynamic")
+
+
+def _settings(
+    inner_optimizer,
+    *,
+    initial_scale,
+    dynamic_growth_steps,
+    growth_factor,
+    backoff_factor,
+    hysteresis,
+    consecutive_hysteresis,
+    min_scale,
+    max_scale,
+    dynamic,
+    name,
+):
+    """`LossScaleOptimizer`'s arguments, checked and resolved:
+    `(inner_optimizer, {attribute: value}, name)` (a stock
+    LossScaleOptimizer gives its inner optimizer, scale and interval)."""
+    if _is_stock(inner_optimizer):
+        stock = inner_optimizer
+        inner_optimizer = stock.inner_optimizer
+        if initial_scale is DEFAULT_INITIAL_SCALE:
+            initial_scale = _current_scale(stock)
+        if dynamic_growth_steps is DEFAULT_GROWTH_STEPS:
+            dynamic_growth_steps = stock.dynamic_growth_steps
+        name = stock.name if name is None else name
+    auto = isinstance(initial_scale, str) and initial_scale == AUTO
+    initial_scale = validate(
+        inner_optimizer,
+        initial_scale=initial_scale,
+        dynamic_growth_steps=dynamic_growth_steps,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        dynamic=dynamic,
+    )
+    settings = {
+        "auto": auto,
+        "initial_scale": initial_scale,
+        "dynamic_growth_steps": int(dynamic_growth_steps),
+        "growth_factor": float(growth_factor),
+        "backoff_factor": float(backoff_factor),
+        "hysteresis": int(hysteresis),
+        "consecutive_hysteresis": bool(consecutive_hysteresis),
+        "min_scale": float(min_scale),
+        "max_scale": None if max_scale is None else float(max_scale),
+        "dynamic": bool(dynamic),
+    }
+    return inner_optimizer, settings, name
+
+
 def _no_op():
     return None
+
+
+def _branch(pred, true_fn, false_fn):
+    """`ops.cond(pred, true_fn, false_fn)` of the stateful apply (TensorFlow,
+    PyTorch); on PyTorch a Python `if`, which is what Keras's `ops.cond`
+    runs there, without the `Cond` operation it creates at every call.
+
+    Under `torch.compile` that operation's unique name (a global counter)
+    is a guard of the frame that made it, and the counter changes at every
+    call: the frame recompiled at every step until Dynamo's limit. This
+    frame is never compiled on its own (`compile_inline_only`, applied
+    below): its guards would be the branches' code, one recompile per call
+    site; the branch taken is compiled as usual.
+    """
+    if keras.backend.backend() == "torch":
+        return true_fn() if pred else false_fn()
+    return ops.cond(pred, true_fn, false_fn)
+
+
+_ki.compile_inline_only(_branch)
 
 
 def _is_stock(optimizer):

@@ -53,6 +53,7 @@ from kerasmp.policy.plan import plan
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import stored_policy
+from kerasmp.policy.rules import outputs_as_computed
 
 MAX_MOVES = 8
 """The most layers one `measure` moves to float32 because they failed."""
@@ -247,7 +248,113 @@ def _measure(model, policy, inputs, dry_run):
         for layer, policy in before:
             if stored_policy(layer) is not policy:
                 layer.dtype_policy = policy
+    else:
+        _record(model, policy, inputs, layers)
     return moved
+
+
+def _is_measured(rule):
+    return isinstance(rule, str) and (
+        rule.startswith(FAILS_RULE.split("{")[0]) or rule == ROUTER_RULE
+        or rule.startswith(PROJECTION_RULE.split("{")[0]))
+
+
+def _record(model, policy, inputs, layers):
+    """Records the layers measurement moved to float32 (with the
+    sublayers they handed their override) in the governing policy of
+    `model`'s layers (`Policy.with_measured`), so that a saved file
+    reloads them in float32, with kerasmp or without
+    (`kerasmp.policy.saving.stock_measured`)."""
+    moved = {}  # Layer.path -> (layer, rule)
+    for _, layer in layers:
+        resolved = layer.dtype_policy
+        if (isinstance(resolved, Float32Override)
+                and _is_measured(resolved.rule) and layer.path):
+            moved[layer.path] = (layer, resolved.rule)
+    if not moved and not policy.measured:
+        return
+    portable = _portable(model, inputs, layers, moved)
+    # A moved layer hands its override to the sublayers it creates when it
+    # is rebuilt: those that computed in half precision are recorded too.
+    half = {sub.path: {"half": True} for layer, _ in moved.values()
+            for _, sub in walk(layer)
+            if sub.path and sub.compute_dtype in _HALF}
+    recorded = policy.with_measured({**half, **{
+        path: {"rule": rule, "portable": path in portable}
+        for path, (_, rule) in moved.items()}})
+    for layer in [model] + [layer for _, layer in layers]:
+        stored = stored_policy(layer)
+        if isinstance(stored, Policy) and stored == policy:
+            layer.dtype_policy = recorded
+
+
+def _output_dtypes(model, inputs, layers, as_computed=()):
+    """`{path: dtypes}` of what each layer's `call` returned in one symbolic
+    run, with `as_computed` handing their outputs on as stock Keras does;
+    None when the run raised."""
+    seen = {}
+
+    def around(path, call, args, kwargs):
+        outputs = call(*args, **kwargs)
+        seen[path] = tuple(str(getattr(t, "dtype", type(t).__name__))
+                           for t in keras.tree.flatten(outputs))
+        return outputs
+
+    with outputs_as_computed(as_computed), running_layers(layers, around):
+        try:
+            _ki.trace_symbolically(lambda x: model(x, training=True), inputs)
+        except Exception:  # noqa: BLE001 (stock Keras would fail there)
+            return None
+    return seen
+
+
+def _portable(model, inputs, layers, moved):
+    """The paths of `moved` that stock Keras, which hands a float32 layer's
+    outputs on as computed, reloads as kerasmp computes them: in a symbolic
+    run without kerasmp's hand-backs every other layer returns the same
+    dtypes as under kerasmp (the caller casts them, or a layer takes them
+    next). A group (a moved layer and the moved layers inside it) whose
+    float32 outputs meet float16 ones in its caller's own arithmetic
+    (GPT-OSS's router scores times its experts' outputs: TensorFlow raises)
+    is not portable; nor is one whose float16 sublayers' outputs meet its
+    own float32 arithmetic (Qwen3-MoE's experts in its moved block)."""
+    if not moved:
+        return set()
+    reference = _output_dtypes(model, inputs, layers)
+    if reference is None:
+        return set()
+
+    # Stock Keras hands back nothing: neither the group's float32 outputs
+    # nor a half-precision sublayer's to a float32 caller. (Layers kerasmp's
+    # rules keep in float32 reload under the mixed policy, which returns
+    # half precision: their hand-back stands for that.)
+    half = [layer for _, layer in layers if layer.compute_dtype in _HALF]
+    paths = {id(layer): path for path, layer in layers}
+    if not any(any(h in d for d in reference.get(paths[id(layer)], ())
+                   for h in _HALF) for layer in half):
+        # The trace does not show half precision where it is computed
+        # (PyTorch's meta-device trace gives float32 throughout): it cannot
+        # tell, so the file keeps the moves for kerasmp only.
+        return set()
+
+    def keeps_dtypes(group):
+        members = {id(moved[p][0]) for p in group}
+        seen = _output_dtypes(model, inputs, layers,
+                              [moved[p][0] for p in group] + half)
+        return seen is not None and all(
+            seen.get(path) == reference.get(path)
+            for path, layer in layers if id(layer) not in members)
+
+    if keeps_dtypes(moved):
+        return set(moved)
+    roots = [p for p in moved if not any(
+        p.startswith(q + "/") for q in moved if q != p)]
+    portable = set()
+    for root in roots[:MAX_MOVES]:
+        group = [p for p in moved if p == root or p.startswith(root + "/")]
+        if keeps_dtypes(group):
+            portable.update(group)
+    return portable
 
 
 def move_failed_at_build(layer, error):

@@ -36,13 +36,16 @@ from kerasmp.policy.norms import UNDECIDED
 from kerasmp.policy.norms import BuiltinRule
 from kerasmp.policy.norms import Exclude
 from kerasmp.policy.norms import in_construction
+from kerasmp.policy.rules import AS_COMPUTED
 from kerasmp.policy.rules import SOFTMAX_ACTIVATIONS
 from kerasmp.policy.rules import activation_name
+from kerasmp.policy.rules import measured_entries
 from kerasmp.policy.rules import parse_rule
 from kerasmp.policy.rules import rule_from_config
 from kerasmp.policy.rules import rule_name
 from kerasmp.policy.rules import rule_sequence
 from kerasmp.policy.rules import rule_to_config
+from kerasmp.policy.rules import with_defaults
 
 _FLOAT_NAMES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
                 "float32", "float64") + tuple(FLOAT8_NAMES)
@@ -101,52 +104,66 @@ class Float32Override(Marked, keras.DTypePolicy):
         self.policy = policy
         self.rule = rule
 
+    def kept_half(self, layer):
+        """Whether `layer` kept the half policy when measurement moved the
+        parent that handed it this override (`Policy.measured`)."""
+        lookup = getattr(self.policy, "measured_entry", None)
+        entry = lookup(getattr(layer, "path", None)) if lookup else None
+        return entry is not None and "half" in entry
+
 
 @keras.saving.register_keras_serializable(package="kerasmp")
 class Policy(keras.DTypePolicy):
     """A `keras.DTypePolicy` that keeps fragile layers in float32.
 
     Layers governed by this policy compute in the policy's compute dtype,
-    except the layers matched by `float32_layers`, which compute in float32
-    with float32 variables. Inside a model such a layer hands its output on
-    in the policy's compute dtype, so it composes with the half-precision
-    tensors around it (a post-LN residual `x + norm(x)` works); the outputs
-    of the model itself (or of an overridden layer called on its own) are
-    the float32 values, so the probabilities that reach a loss are float32.
-    A layer is governed by the policy when it was built with `dtype=None`
-    while this policy was global, or was handed this policy by its parent
-    layer. A layer built with any other explicit
+    except the layers its rules match (the built-in ones,
+    `DEFAULT_FLOAT32_LAYERS`, and those added in `float32_layers`), which
+    compute in float32 with float32 variables. Inside a model such a layer
+    hands its output on in the policy's compute dtype, so it composes with
+    the half-precision tensors around it (a post-LN residual `x + norm(x)`
+    works); the outputs of the model itself (or of an overridden layer
+    called on its own) are the float32 values, so the probabilities that
+    reach a loss are float32. A layer is governed by the policy when it was
+    built with `dtype=None` while this policy was global, or was handed
+    this policy by its parent layer. A layer built with any other explicit
     `dtype=` keeps that dtype.
 
     Args:
         name: The policy name, any name `keras.DTypePolicy` accepts for a
             floating-point policy: `"mixed_float16"`, `"mixed_bfloat16"`,
             `"float16"`, `"bfloat16"`, `"float32"` or `"float64"`.
-        float32_layers: A sequence of rules: `keras.layers.Layer`
-            subclasses, regular expressions, predicates and kerasmp's
-            built-in rules. A layer matches when it is an instance of one of
-            the classes, when a regular expression matches its whole `name`
-            (`re.fullmatch`), when a predicate (a module-level function of
-            the layer, called once the layer is constructed) returns True,
-            or when a built-in rule matches it. `keras.layers.Softmax` also
-            matches layers whose `activation` is softmax or log_softmax.
-            Defaults to `DEFAULT_FLOAT32_LAYERS`: softmax, every Keras
-            normalization layer, `NORMALIZATION_BY_NAME` (normalizations
-            that model libraries and users define, such as keras-hub's
-            `T5LayerNorm` or a `class RMSNorm(keras.layers.Layer)`) and
-            `KNOWN_FLOAT16_HAZARDS`. Add to it with
-            `[*kerasmp.DEFAULT_FLOAT32_LAYERS, MyLayer]`; pass `()` for no
-            overrides.
+        float32_layers: A sequence of rules to add to the built-in ones:
+            `keras.layers.Layer` subclasses, regular expressions, predicates
+            and kerasmp's built-in rules. A layer matches when it is an
+            instance of one of the classes, when a regular expression
+            matches its whole `name` (`re.fullmatch`), when a predicate (a
+            module-level function of the layer, called once the layer is
+            constructed) returns True, or when a built-in rule matches it.
+            `keras.layers.Softmax` also matches layers whose `activation` is
+            softmax or log_softmax. Defaults to `()`: the built-in rules
+            only.
         float32_exclude: A sequence of layer classes, regular expressions
             and predicates (as in `float32_layers`): a layer they match is
-            never put in float32 by `float32_layers`, whatever rule would
-            match it. Defaults to `()`.
+            never put in float32 by a rule, built-in or not. Defaults to
+            `()`.
         float8: For the float8 names only (`"float8_mixed_bfloat16"`,
             `"float8_mixed_float16"`): a `kerasmp.float8.Float8Rule` saying
             which Dense/EinsumDense layers train in Keras's float8 mode
             (assigned at `compile`, see `kerasmp.float8`). Defaults to
             `Float8Rule()`. Every other layer computes as under the base
             policy (`"mixed_bfloat16"` / `"mixed_float16"`).
+        float32_defaults: Whether the built-in rules,
+            `DEFAULT_FLOAT32_LAYERS`, apply besides `float32_layers`:
+            softmax, every Keras normalization layer,
+            `NORMALIZATION_BY_NAME` (normalizations that model libraries and
+            users define, such as keras-hub's `T5LayerNorm` or a
+            `class RMSNorm(keras.layers.Layer)`) and `KNOWN_FLOAT16_HAZARDS`.
+            Defaults to True. With False, `float32_layers` is the whole list:
+            pass the built-in rules to keep in it (`()` for no rules).
+        measured: What `compile`'s measurement moved to float32, by
+            `Layer.path`, so that a saved model reloads so (kerasmp fills
+            it: `kerasmp.policy.rules.measured_entries`). Defaults to None.
 
     Example:
 
@@ -161,12 +178,17 @@ class Policy(keras.DTypePolicy):
     ...         return x * keras.ops.rsqrt(keras.ops.mean(x * x, -1, True))
     >>> RMSNorm().compute_dtype  # normalization by name
     'float32'
+    >>> policy = kerasmp.Policy("mixed_float16", float32_layers=["logits"])
+    >>> keras.layers.Dense(4, name="logits", dtype=policy).compute_dtype
+    'float32'
+    >>> keras.layers.Softmax(dtype=policy).compute_dtype  # built-in rule
+    'float32'
     >>> kerasmp.set_global_policy("float32")
     """
 
-    def __init__(self, name="mixed_float16",
-                 float32_layers=DEFAULT_FLOAT32_LAYERS, float32_exclude=(),
-                 float8=None):
+    def __init__(self, name="mixed_float16", float32_layers=(),
+                 float32_exclude=(), float8=None, float32_defaults=True,
+                 measured=None):
         if not isinstance(name, str) or name not in _FLOAT_NAMES:
             raise ValueError(
                 f"Invalid `name` for kerasmp.Policy: {name!r}. Allowed "
@@ -185,6 +207,13 @@ class Policy(keras.DTypePolicy):
                 "`float32_layers` must be a sequence of layer classes and/or "
                 f"regular expressions. Received: {float32_layers!r}"
             ) from None
+        if not isinstance(float32_defaults, bool):
+            raise ValueError(
+                "Invalid `float32_defaults` for kerasmp.Policy: "
+                f"{float32_defaults!r}. Allowed values: True (the built-in "
+                "rules, DEFAULT_FLOAT32_LAYERS, apply besides "
+                "`float32_layers`), False (`float32_layers` alone)."
+            )
         excludes = rule_sequence(float32_exclude, "float32_exclude")
         for entry in excludes:
             if isinstance(entry, (BuiltinRule,
@@ -192,7 +221,8 @@ class Policy(keras.DTypePolicy):
                 raise TypeError(
                     "Invalid `float32_exclude` entry: expected a layer "
                     "class, a regular expression or a predicate. To drop a "
-                    "built-in rule, leave it out of `float32_layers`. "
+                    "built-in rule, pass `float32_defaults=False` and list "
+                    "the rules to keep in `float32_layers`. "
                     f"Received: {entry!r}"
                 )
         self._float8 = rule_for(name, float8)
@@ -200,12 +230,14 @@ class Policy(keras.DTypePolicy):
         self._rules = tuple(
             Exclude(parse_rule(r, "float32_exclude"))
             for r in excludes
-        ) + tuple(parse_rule(r) for r in rules)
+        ) + with_defaults(tuple(parse_rule(r) for r in rules),
+                          DEFAULT_FLOAT32_LAYERS, float32_defaults)
         self._matchers = {
             r.pattern: NameMatcher(r.pattern)
             for r in (getattr(r, "rule", r) for r in self._rules)
             if isinstance(r, re.Pattern)
         }
+        self._measured = measured_entries(measured)
         self._overrides = {}  # rule description -> Float32Override
         # (layer class, name, activation) -> rule description or None, so
         # that each layer is matched once, not on every dtype lookup.
@@ -227,11 +259,26 @@ class Policy(keras.DTypePolicy):
         return keras.DTypePolicy(base_name(self.name))
 
     @property
+    def measured(self):
+        """The `measured` argument (a copy)."""
+        return {path: dict(entry) for path, entry in self._measured.items()}
+
+    def measured_entry(self, path):
+        return self._measured.get(path) if self._measured else None
+
+    def with_measured(self, measured):
+        """This policy (equal to it) with `measured` in place of its own."""
+        return Policy(self.name, float32_layers=self.float32_layers,
+                      float8=self.float8, float32_defaults=False,
+                      measured=measured)
+
+    @property
     def float32_layers(self):
-        """The rules: layer classes, compiled regexes, predicates and
-        built-in rules, after the `float32_exclude` entries (each wrapped
-        so that `Policy(name, float32_layers=p.float32_layers)` excludes
-        the same layers)."""
+        """Every rule the policy applies, built-in ones included: layer
+        classes, compiled regexes, predicates and built-in rules, after the
+        `float32_exclude` entries (each wrapped so that
+        `Policy(name, float32_layers=p.float32_layers,
+        float32_defaults=False)` is the same policy)."""
         return self._rules
 
     @property
@@ -321,18 +368,30 @@ class Policy(keras.DTypePolicy):
         """
         if self.compute_dtype in ("float32", "float64"):
             return self
+        entry = self.measured_entry(getattr(layer, "path", None))
+        if entry is not None:
+            return self if "half" in entry else self._override(entry["rule"])
         rule = self.float32_rule(layer)
         if rule is None:
             return self
+        return self._override(rule)
+
+    def _override(self, rule):
         if rule not in self._overrides:
             self._overrides[rule] = Float32Override(self, rule)
         return self._overrides[rule]
 
     def get_config(self):
+        # The whole list, built-in rules included, as every kerasmp wrote
+        # it: `from_config` reads a saved list as all the rules
+        # (`float32_defaults=False`), so a file computes what it did when
+        # saved, and older kerasmp versions still read it.
         rules = [rule_to_config(rule) for rule in self._rules]
         config = {"name": self.name, "float32_layers": rules}
         if self._float8 is not None:
             config["float8"] = self._float8.get_config()
+        if self._measured:
+            config["measured"] = self.measured
         return config
 
     @classmethod
@@ -345,6 +404,9 @@ class Policy(keras.DTypePolicy):
             raise ValueError(
                 f"Invalid `float32_layers` in a saved policy: {rules!r:.200}")
         parsed = [rule_from_config(r) for r in rules]
+        # A saved list holds every rule (`get_config`): it replaces the
+        # built-in ones, as it did when it was saved.
+        config.setdefault("float32_defaults", False)
         return cls(float32_layers=parsed, **config)
 
     def __eq__(self, other):
@@ -362,7 +424,6 @@ class Policy(keras.DTypePolicy):
     def __repr__(self):
         n = len(self._rules)
         return f'<kerasmp.Policy "{self.name}", {n} float32 rules>'
-
 
 
 def _as_policy(policy_or_name, argname="policy"):
@@ -479,6 +540,8 @@ def handoff_dtype(layer, caller=None):
     >>> kerasmp.policy.handoff_dtype(keras.layers.LayerNormalization())
     'float16'
     """
+    if AS_COMPUTED and id(layer) in AS_COMPUTED:
+        return None
     stored = stored_policy(layer)
     if isinstance(stored, Float32Override):
         if stored.rule == FALLBACK_RULE:

@@ -73,7 +73,7 @@ class DTypeReport:
     __repr__ = __str__
 
 
-def _reason(layer, global_now):
+def _reason(layer, global_now, from_file):
     float8_reason = report_reason(layer)
     if float8_reason is not None:
         return float8_reason
@@ -83,6 +83,8 @@ def _reason(layer, global_now):
             return "float32 by NonFiniteMonitor fallback"
         return f"kerasmp override: {resolved.rule}"
     stored = stored_policy(layer)
+    if from_file and isinstance(stored, Policy):
+        return f"kerasmp policy {stored.name} (saved in the file)"
     if stored == global_now:
         return "global policy"
     if isinstance(stored, Policy):
@@ -97,7 +99,7 @@ def _reason(layer, global_now):
     return "explicit dtype"
 
 
-def dtype_report(model):
+def dtype_report(model, from_file=False):
     """Returns the compute and variable dtype of every layer of `model`.
 
     Args:
@@ -105,6 +107,11 @@ def dtype_report(model):
             listed after their parent. Each row's `path` is the layer's path
             from the model root (`kerasmp._utils.layers.walk`), the same
             path the other kerasmp reports use, unique within the model.
+        from_file: Whether `model` was just loaded from a file (as
+            `kerasmp inspect` does): a layer's kerasmp policy is then
+            reported as what the file holds, "kerasmp policy <name> (saved
+            in the file)", not against this process's global policy.
+            Defaults to False.
 
     Returns:
         A `DTypeReport`: one `DTypeRow` per layer with `path`, `layer_class`,
@@ -115,7 +122,8 @@ def dtype_report(model):
         "user rule (name~'head')"); "float32 by NonFiniteMonitor fallback";
         "kerasmp policy <name> (not the global policy now)" for a layer
         built under another kerasmp policy (`policy_scope`, a parent's
-        policy, a loaded file); "stock Keras policy <name> (no float32
+        policy, a loaded file); "kerasmp policy <name> (saved in the
+        file)" with `from_file=True`; "stock Keras policy <name> (no float32
         rules)" for a layer under Keras's own mixed policy; or "explicit
         dtype". `print()` it for a table.
 
@@ -131,6 +139,10 @@ def dtype_report(model):
             "`model` must be a keras.Model or keras.layers.Layer. "
             f"Received: {model!r}"
         )
+    if not isinstance(from_file, bool):
+        raise ValueError(
+            f"Invalid `from_file`: {from_file!r}. Allowed values: True, "
+            "False.")
     current = global_policy()
     rows = []
     for path, layer in walk(model):
@@ -142,7 +154,7 @@ def dtype_report(model):
                 layer_class=type(layer).__name__,
                 compute_dtype=layer.compute_dtype,
                 variable_dtype=layer.variable_dtype,
-                reason=_reason(layer, current),
+                reason=_reason(layer, current, from_file),
             )
         )
     return DTypeReport(rows)

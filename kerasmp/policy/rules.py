@@ -7,12 +7,15 @@ layer) or one of kerasmp's built-in rules (`kerasmp.policy.norms`).
 saved policy and read it back without importing any module a file names.
 """
 
+import contextlib
 import re
 import sys
 
 import keras
 
 from kerasmp._utils.namematch import NameMatcher
+from kerasmp._utils.warn import warn
+from kerasmp.errors import PolicyWarning
 from kerasmp.policy.norms import BUILTIN_RULES
 from kerasmp.policy.norms import BuiltinRule
 from kerasmp.policy.norms import Exclude
@@ -180,6 +183,44 @@ def _class_from_config(config):
     return cls
 
 
+_BUILTIN_NAMES = {"normalization_by_name": "NORMALIZATION_BY_NAME",
+                  "known_float16_hazards": "KNOWN_FLOAT16_HAZARDS"}
+
+
+def default_rule_name(rule):
+    """How the docs name a rule of `DEFAULT_FLOAT32_LAYERS`."""
+    if isinstance(rule, BuiltinRule):
+        return _BUILTIN_NAMES.get(rule.key, rule.key)
+    if isinstance(rule, type) and getattr(keras.layers, rule.__name__,
+                                          None) is rule:
+        return f"keras.layers.{rule.__name__}"
+    return rule_name(rule)
+
+
+def with_defaults(rules, defaults, use_defaults):
+    """A policy's rules: `rules`, then the built-in `defaults` that `rules`
+    does not hold (`rules` alone when `use_defaults` is False).
+
+    A list that holds some of the defaults but not all was written for
+    kerasmp 0.1.0, where `float32_layers` replaced the defaults, to drop
+    the others: they now stay, and a `PolicyWarning` says so.
+    """
+    if not use_defaults:
+        return rules
+    missing = tuple(d for d in defaults if d not in rules)
+    if missing and len(missing) < len(defaults):
+        names = ", ".join(default_rule_name(d) for d in missing)
+        warn(
+            f"kerasmp.Policy: `float32_layers` lists some of the built-in "
+            f"rules (kerasmp.DEFAULT_FLOAT32_LAYERS) but not {names}; "
+            "they still apply, since `float32_layers` adds to the built-in "
+            "rules. To drop them, pass `float32_defaults=False` with the "
+            "list of the rules to keep.",
+            PolicyWarning,
+        )
+    return rules + missing
+
+
 def rule_sequence(value, argname):
     if isinstance(value, (str, type, re.Pattern)) or (
             callable(value) and not isinstance(value, (list, tuple))):
@@ -196,3 +237,39 @@ def rule_sequence(value, argname):
             f"expressions and/or predicates. Received: {value!r}"
         ) from None
 
+
+def measured_entries(measured):
+    """The checked `measured` argument of `Policy`: `{path: {"rule": str,
+    "portable": bool}}` for a layer moved to float32, `{"half": True}` for
+    a sublayer of one that computes in the governing policy."""
+    if measured is None:
+        return {}
+    entries = {}
+    items = measured.items() if isinstance(measured, dict) else None
+    for path, entry in items or [(None, None)]:
+        half = isinstance(entry, dict) and entry.get("half") is True
+        if not (isinstance(path, str) and isinstance(entry, dict)
+                and (half or isinstance(entry.get("rule"), str))
+                and isinstance(entry.get("portable", False), bool)):
+            raise ValueError(
+                "Invalid `measured` for kerasmp.Policy: expected "
+                "{layer path: {'rule': str, 'portable': bool} or "
+                f"{{'half': True}}}}. Received: {measured!r:.200}")
+        entries[path] = {"half": True} if half else {
+            "rule": entry["rule"], "portable": entry.get("portable", False)}
+    return entries
+
+
+AS_COMPUTED = set()  # ids of layers handing their outputs on as computed
+
+
+@contextlib.contextmanager
+def outputs_as_computed(layers):
+    """`layers` hand their outputs on as computed (as in stock Keras)
+    while the block runs."""
+    ids = {id(layer) for layer in layers} - AS_COMPUTED
+    AS_COMPUTED.update(ids)
+    try:
+        yield
+    finally:
+        AS_COMPUTED.difference_update(ids)

@@ -1,7 +1,9 @@
 """How kerasmp policies are saved and loaded.
 
 A kerasmp policy is saved as the stock `keras.DTypePolicy` plain Keras can
-load (`portable_policy_name`) plus a `"kerasmp"` entry stock Keras ignores;
+load (`portable_policy_name`; a `DTypePolicyMap` naming the layers
+`compile`'s measurement moved to float32, `stock_measured`) plus a
+`"kerasmp"` entry stock Keras ignores;
 with kerasmp, `deserialize` rebuilds the kerasmp policy (only kerasmp's own
 classes) and `construct` builds the layer with that policy made global while
 its constructor runs (sublayers created in `__init__` get it too). The
@@ -55,6 +57,26 @@ def portable_policy_name(policy):
 
 
 
+def stock_measured(policy, stock):
+    """`stock`, or, for a policy that records layers `compile`'s
+    measurement moved to float32 (`Policy.measured`), a stock
+    `keras.dtype_policies.DTypePolicyMap` with `stock` as its default and
+    `"float32"` at the path of each move stock Keras computes as kerasmp
+    does (`portable`). A layer given such a map hands it to the sublayers it
+    creates (`dtype=self.dtype_policy`, as Keras's composite layers and
+    keras-hub's do), and each looks its own `Layer.path` up in it: a router
+    that its block creates in code reloads in float32 without kerasmp.
+    """
+    measured = policy.measured if isinstance(policy, Policy) else {}
+    paths = sorted(p for p, entry in measured.items()
+                   if entry.get("portable"))
+    if not paths:
+        return stock
+    return keras.dtype_policies.DTypePolicyMap(
+        default_policy=stock,
+        policy_map={p: keras.DTypePolicy("float32") for p in paths})
+
+
 def serialize(policy, stock_serialize):
     """`dtype_policies.serialize` that stock Keras can read back.
 
@@ -67,7 +89,7 @@ def serialize(policy, stock_serialize):
     stock = getattr(policy, "stock_policy", None)  # float8 policies
     stock = stock() if stock else keras.DTypePolicy(
         portable_policy_name(policy))
-    config = stock_serialize(stock)
+    config = stock_serialize(stock_measured(policy, stock))
     config[_KERASMP_KEY] = {
         "class_name": type(policy).__name__,
         "config": policy.get_config(),

@@ -213,6 +213,27 @@ def test_inspect_is_quiet_and_prints_the_report(files):
     assert "Traceback" not in err
 
 
+def test_inspect_says_what_the_file_holds(tmp_path, capsys):
+    """Issue 35 item 9: a layer's kerasmp policy is what the saved file
+    holds, not compared with the inspecting process's global policy."""
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16")):
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(3, name="dense")])
+    model.save(tmp_path / "m.keras")
+    # The reference: the policy the file holds for that layer.
+    with zipfile.ZipFile(tmp_path / "m.keras") as z:
+        dtype = re.search(r'"name": "dense".*?"dtype": (\{.*?\}), "units"',
+                          z.read("config.json").decode()).group(1)
+    assert '"kerasmp": {"class_name": "Policy", "config": {"name": ' \
+        '"mixed_float16"' in dtype
+    assert cli.main(["inspect", str(tmp_path / "m.keras")]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "Dense" in line)
+    assert re.search(r"dense\s+Dense\s+float16\s+float32\s+kerasmp policy "
+                     r"mixed_float16 \(saved in the file\)", row), out
+    assert "now" not in out
+
+
 # ---------------------------------------------------------------- user errors
 
 
@@ -328,7 +349,8 @@ def _evil_keras(folder):
         f"open({str(marker)!r}, 'w').write('imported')\n"
         "class Rule:\n    pass\n")
     with kerasmp.policy_scope(kerasmp.Policy(
-            "mixed_float16", float32_layers=[keras.layers.Softmax])):
+            "mixed_float16", float32_layers=[keras.layers.Softmax],
+            float32_defaults=False)):
         model = keras.Sequential([keras.Input((4,)),
                                   keras.layers.Dense(3, name="dense"),
                                   keras.layers.Softmax(name="probs")])

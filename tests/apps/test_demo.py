@@ -194,6 +194,116 @@ def test_quick_bfloat16_has_no_loss_scale(tmp_path, capsys):
         assert (out / name).read_text() != "earlier run\n"
 
 
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _no_staging_left(*folders):
+    for folder in folders:
+        left = [n for n in os.listdir(folder) if n.startswith(".kerasmp")]
+        assert not left, left
+
+
+@pytest.mark.tensorflow  # backend-independent logic
+def test_interrupted_rerun_keeps_the_earlier_run(tmp_path, monkeypatch,
+                                                 capsys):
+    out = tmp_path / "demo"
+    demo.run_demo(out, epochs=1, verbose=False)
+    (out / "my_notes.txt").write_text("mine\n")
+    before = _files(out)
+    assert "events.jsonl" in before and "model_fp16.keras" in before
+
+    # Ctrl-C on the third step of the rerun's mixed-precision fit, after
+    # the float32 run and once the event log has been opened.
+    fits = []
+
+    def on_train_begin(self, logs=None):
+        fits.append(0)
+        self._start = 0.0
+
+    def on_train_batch_end(self, batch, logs=None):
+        fits[-1] += 1
+        if len(fits) == 2 and fits[-1] == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo._ProgressBar, "on_train_begin", on_train_begin)
+    monkeypatch.setattr(demo._ProgressBar, "on_train_batch_end",
+                        on_train_batch_end)
+    assert cli.main(["demo", "--epochs", "1", "--seed", "5", "--out",
+                     str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert len(fits) == 2 and fits[-1] == 3
+    # Every artifact of the first run, byte for byte; nothing else.
+    assert _files(out) == before
+    _no_staging_left(out, tmp_path)
+
+
+@pytest.mark.tensorflow  # backend-independent logic
+def test_signal_while_publishing_waits_for_the_whole_run(tmp_path,
+                                                         monkeypatch):
+    import signal
+
+    from kerasmp.export import publish
+
+    out = tmp_path / "demo"
+    demo.run_demo(out, epochs=1, verbose=False)
+    (out / "model_fp16_savedmodel").mkdir(exist_ok=True)
+    published = []
+
+    def interrupt_first(staged, path):
+        if os.path.dirname(path) == str(out):  # not the export's own
+            if not published:
+                signal.raise_signal(signal.SIGINT)
+            published.append(os.path.basename(path))
+
+    monkeypatch.setattr(publish, "_before_publish", interrupt_first)
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(out, epochs=1, seed=7, verbose=False)
+    # The SIGINT came at the first rename and took effect after the last:
+    # the folder holds the whole second run, no artifact of the first.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["seed"] == 7
+    assert set(published) == {os.path.basename(p)
+                              for p in summary["artifacts"].values() if p}
+    assert set(os.listdir(out)) == set(published)
+    _no_staging_left(out, tmp_path)
+
+
+@pytest.mark.torch
+def test_pytorch_demo_trains_on_one_cpu_thread(tmp_path, monkeypatch):
+    """The demo's tiny model on 2 busy cores: one torch thread, not two
+    (docs/benchmarks.md); the caller's setting is back afterwards."""
+    if keras.backend.backend() != "torch":
+        pytest.skip("the PyTorch setting")
+    import torch
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def train(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise Stop
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo, "_train", train)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(Stop):
+            demo.run_demo(tmp_path / "d", verbose=False)
+        assert seen == [1] and torch.get_num_threads() == 2
+        # A user's explicit OMP_NUM_THREADS is left alone.
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        with pytest.raises(Stop):
+            demo.run_demo(tmp_path / "d", verbose=False)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     "kwargs, argname",
     [

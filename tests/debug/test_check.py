@@ -133,7 +133,8 @@ def test_stock_mixed_policy_is_reported_with_what_kerasmp_changes():
 def test_normalization_in_float16_when_the_rule_is_removed():
     rules = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
              if r is not kerasmp.policy.NORMALIZATION_BY_NAME]
-    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", rules)):
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", rules,
+                                             float32_defaults=False)):
         model = _functional(keras.layers.Dense(16), RMSNorm(name="rms"),
                             keras.layers.Dense(8, activation="softmax"))
     found = _finding(kerasmp.check(model), "half_precision_normalization")
@@ -311,7 +312,8 @@ def test_t5_hazard_found_statically_and_by_the_traced_run():
             vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=16,
             intermediate_dim=16, key_value_dim=8, dropout=0.0)
 
-    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", rules)):
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", rules,
+                                             float32_defaults=False)):
         broken = t5()
     report = kerasmp.check(broken)
     hazards = _finding(report, "known_float16_hazard")

@@ -142,7 +142,8 @@ def test_t5_is_nan_without_the_hazard_rule():
     assert np.isfinite(keras.ops.convert_to_numpy(mixed(x))).all()
     without = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
                if r is not kerasmp.policy.KNOWN_FLOAT16_HAZARDS]
-    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without)):
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without,
+                                             float32_defaults=False)):
         broken = _build("t5")
     broken.set_weights(mixed.get_weights())
     out = keras.ops.convert_to_numpy(broken(x))
@@ -243,7 +244,8 @@ def test_t5gemma_layers_build_their_mask_bias_in_float32(name):
                and l.compute_dtype == "float16" for _, l in walk(mixed))
     without = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
                if r is not kerasmp.policy.KNOWN_FLOAT16_HAZARDS]
-    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without)):
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without,
+                                             float32_defaults=False)):
         broken, _ = worker.build(zoo)
     broken.set_weights(reference.get_weights())
     assert not np.isfinite(keras.ops.convert_to_numpy(broken(x))).all()
@@ -272,7 +274,8 @@ def test_flux_timestep_embedding_computes_its_phases_in_float32():
     assert error(layer) < 1e-3
     without = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
                if r is not kerasmp.policy.KNOWN_FLOAT16_HAZARDS]
-    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without)):
+    with kerasmp.policy_scope(kerasmp.Policy("mixed_float16", without,
+                                             float32_defaults=False)):
         half = TimestepEmbedding()
     assert half.compute_dtype == "float16"
     assert error(half) > 1e-2

@@ -128,7 +128,8 @@ def test_keras_hub_normalizations_compute_in_float32(mixed_policy, entry):
     assert rule == f"normalization by name ({entry[1]})"
     # The stock rule (Keras classes only) leaves it in float16.
     stock = kerasmp.Policy("mixed_float16",
-                           float32_layers=_norm_rule.KERAS_NORMALIZATION_CLASSES)
+                           float32_layers=_norm_rule.KERAS_NORMALIZATION_CLASSES,
+                           float32_defaults=False)
     assert stock.float32_rule(layer) is None
 
 
@@ -206,7 +207,8 @@ def test_remove_the_name_rule_or_exclude_a_class_pattern_predicate():
     t5_norm = (HUB + "t5.t5_layer_norm", "T5LayerNorm", {})
     without = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
                if r is not NORMALIZATION_BY_NAME]
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16", without))
+    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16", without,
+                                             float32_defaults=False))
     assert _make(*t5_norm).compute_dtype == "float16"
     assert RMSNorm().compute_dtype == "float16"
     assert keras.layers.LayerNormalization().compute_dtype == "float32"

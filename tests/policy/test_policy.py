@@ -145,7 +145,8 @@ def test_nested_layers_get_overrides(mixed_policy):
 
 def test_name_patterns_and_classes_and_explicit_dtype_wins():
     policy = kerasmp.Policy(
-        "mixed_bfloat16", float32_layers=[keras.layers.Conv2D, r"logits.*"]
+        "mixed_bfloat16", float32_layers=[keras.layers.Conv2D, r"logits.*"],
+        float32_defaults=False,
     )
     with kerasmp.policy_scope(policy):
         conv = keras.layers.Conv2D(2, 3)
@@ -234,6 +235,7 @@ def test_policy_config_round_trip():
     policy = kerasmp.Policy(
         "mixed_bfloat16",
         float32_layers=[TransformerBlock, keras.layers.Softmax, "head.*"],
+        float32_defaults=False,
     )
     config = json.loads(json.dumps(keras.saving.serialize_keras_object(
         policy)))
@@ -631,12 +633,14 @@ def test_saved_file_loads_without_kerasmp(tmp_path, mixed_policy):
 def test_files_in_the_previous_format_still_load():
     # Version 0.1.0 saved the policy objects themselves
     # ("registered_name": "kerasmp>Policy"); such configs must keep loading.
-    kerasmp.set_global_policy(kerasmp.Policy("mixed_float16",
-                                             float32_layers=["probs"]))
+    # Its list replaced the built-in rules: only "probs" in float32.
+    old = kerasmp.Policy("mixed_float16", float32_layers=["probs"],
+                         float32_defaults=False)
+    kerasmp.set_global_policy(old)
     model = _portable_model()
     config = model.get_config()
-    old_policy = keras.saving.serialize_keras_object(
-        kerasmp.Policy("mixed_float16", float32_layers=["probs"]))
+    old_policy = keras.saving.serialize_keras_object(old)
+    assert old_policy["config"]["float32_layers"] == [{"pattern": "probs"}]
     assert old_policy["registered_name"] == "kerasmp>Policy"
     for layer in config["layers"]:
         if isinstance(layer["config"].get("dtype"), dict):

@@ -29,32 +29,56 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCENARIOS = textwrap.dedent(
     """
+    from kerasmp.float8 import Float8Rule
+    F16, BF16 = "mixed_float16", "mixed_bfloat16"
+    F8 = "float8_mixed_bfloat16"
+    # name: (policy, float32 rules, float8 exclude, compile kind, scale,
+    #        auto_scale_loss); each worker reads its own value of a pair.
     SCENARIOS = {
-        "same": ("mixed_float16", None, 2.0**15),
-        "policy": ("float32" if index else "mixed_float16", None, 2.0**15),
-        "rules": ("mixed_float16", ["head"] if index else None, 2.0**15),
-        "scale": ("mixed_float16", None, 2.0**10 if index else 2.0**15),
+        "same": (F16, None, None, "explicit", 2.0**15, True),
+        "same_everyday": (F16, None, None, "everyday", None, True),
+        "policy": (("float32", F16), None, None, "explicit", 2.0**15, True),
+        "policy_everyday": ((F16, BF16), None, None, "everyday", None, True),
+        "rules": (F16, (None, ["head"]), None, "explicit", 2.0**15, True),
+        "rules_everyday": (F16, (None, ["head"]), None, "everyday", None,
+                           True),
+        "float8": (F8, None, ((), ["mid"]), "explicit", 2.0**15, True),
+        "float8_everyday": (F8, None, ((), ["mid"]), "everyday", None, True),
+        "scale": (F16, None, None, "explicit", (2.0**15, 2.0**10), True),
+        "presence_everyday": (F16, None, None, "everyday", None,
+                              (True, False)),
     }
+
+    def mine(value):
+        return value[index] if isinstance(value, tuple) else value
+
     out = {}
-    for name, (policy, rules, scale) in SCENARIOS.items():
-        if rules is None:
-            policy = kerasmp.Policy(policy)
-        else:
-            policy = kerasmp.Policy(policy, float32_layers=rules)
+    for name, fields in SCENARIOS.items():
+        policy, rules, exclude, kind, scale, auto = map(mine, fields)
+        kwargs = {}
+        if rules is not None:
+            kwargs["float32_layers"] = rules
+        if exclude is not None:
+            kwargs["float8"] = Float8Rule(min_kernel_size=256,
+                                          exclude=list(exclude))
+        policy = kerasmp.Policy(policy, **kwargs)
         with scope():
             with kerasmp.policy_scope(policy):
                 model = keras.Sequential([
-                    keras.Input((4,)),
-                    keras.layers.Dense(4),
+                    keras.Input((32,)),
+                    keras.layers.Dense(32, name="first"),
+                    keras.layers.Dense(32, name="mid"),
+                    keras.layers.Dense(32, name="mid2"),
                     keras.layers.Dense(1, name="head"),
                 ])
+            optimizer = (
+                LossScaleOptimizer(keras.optimizers.SGD(),
+                                   initial_scale=scale)
+                if kind == "explicit" else "sgd"
+            )
             try:
                 # compile() checks the workers agree (kerasmp's hook).
-                model.compile(
-                    LossScaleOptimizer(keras.optimizers.SGD(),
-                                       initial_scale=scale),
-                    "mse",
-                )
+                model.compile(optimizer, "mse", auto_scale_loss=auto)
                 out[name] = "ok"
             except ValueError as e:
                 out[name] = str(e)
@@ -119,28 +143,35 @@ def test_workers_with_different_settings_all_raise_the_same_error(
     results = run_workers(tmp_path, script, backend, timeout=300)
     w0, w1 = results
     assert w0["same"] == w1["same"] == "ok"
-    for name in ("policy", "rules", "scale"):
+    assert w0["same_everyday"] == w1["same_everyday"] == "ok"
+    expected = {  # scenario: the one field that differs, in both values
+        "policy": ("policy", "worker 0: float32", "worker 1: mixed_float16"),
+        "policy_everyday": (
+            "policy", "worker 0: mixed_float16", "worker 1: mixed_bfloat16"),
+        "rules": ("float32_layers", '{"pattern": "head"}'),
+        "rules_everyday": ("float32_layers", '{"pattern": "head"}'),
+        "float8": ("float8", '"mid"'),
+        "float8_everyday": ("float8", '"mid"'),
+        "scale": ("loss_scale", "32768.0", "1024.0"),
+        "presence_everyday": ("loss_scale", "worker 1: none"),
+    }
+    also = {  # a mixed_bfloat16 worker has no loss scaling at all
+        "policy_everyday": {"loss_scale"},
+    }
+    fields = {"policy", "float32_layers", "float8", "loss_scale"}
+    for name, (field, *values) in expected.items():
         assert w0[name] == w1[name] != "ok", name
-    assert (
-        "`policy` differs (worker 0: mixed_float16, worker 1: float32)"
-        in w0["policy"]
-    )
-    assert "`float32_layers` differs" in w0["rules"]
-    assert '{"pattern": "head"}' in w0["rules"]
-    assert "`loss_scale` differs" in w0["scale"]
-    assert "32768.0" in w0["scale"] and "1024.0" in w0["scale"]
-    for name in ("policy", "rules", "scale"):
-        others = {"policy", "float32_layers", "loss_scale"} - {
-            {"policy": "policy", "rules": "float32_layers",
-             "scale": "loss_scale"}[name]
-        }
-        for field in others:
-            assert f"`{field}` differs" not in w0[name], (name, field)
+        assert f"`{field}` differs" in w0[name], (name, w0[name])
+        for value in values:
+            assert value in w0[name], (name, value, w0[name])
+        for other in fields - {field} - also.get(name, set()):
+            assert f"`{other}` differs" not in w0[name], (name, other)
 
 
 def test_settings_of_one_worker_and_no_op_without_a_strategy():
     with kerasmp.policy_scope(
-        kerasmp.Policy("mixed_float16", float32_layers=["head"])
+        kerasmp.Policy("mixed_float16", float32_layers=["head"],
+                       float32_defaults=False)
     ):
         model = single_dense(4, 1, name="head")
     model.compile(
@@ -160,5 +191,25 @@ def test_settings_of_one_worker_and_no_op_without_a_strategy():
     plain = single_dense(4, 1)
     plain.compile("sgd", "mse")
     assert worker_settings(plain) == {
-        "policy": "float32", "float32_layers": "-", "loss_scale": "none"
+        "policy": "float32", "float32_layers": "-", "float8": "[]",
+        "loss_scale": "none",
     }
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("make_inner", [
+    lambda: keras.optimizers.SGD(),
+    lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(), initial_scale=64.0, dynamic_growth_steps=7),
+])
+def test_settings_for_are_those_of_the_optimizer_compile_makes(make_inner):
+    # compile compares the settings of the LossScaleOptimizer it is about
+    # to make before making it: they must be those it then makes.
+    predicted = LossScaleOptimizer.settings_for(make_inner())
+    made = LossScaleOptimizer(make_inner())
+    assert predicted == {key: getattr(made, key) for key in predicted}
+    assert set(predicted) >= {"initial_scale", "dynamic_growth_steps",
+                              "hysteresis", "min_scale", "max_scale"}
+    if isinstance(make_inner(), keras.optimizers.LossScaleOptimizer):
+        assert predicted["initial_scale"] == 64.0
+        assert predicted["dynamic_growth_steps"] == 7

@@ -46,7 +46,7 @@ def run(args):
         summary = run_demo(out=args.out, policy=args.policy,
                            epochs=args.epochs, seed=args.seed,
                            quick=args.quick, verbose=not args.json)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, FileExistsError) as e:
         raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -60,7 +60,8 @@ DEMO = Command(
     description="Train the same small CNN on the 8x8 digits shipped with "
     "kerasmp in float32 and in mixed precision, export the mixed model in "
     "half precision, and print the comparison. A rerun into the same --out "
-    "replaces the demo's earlier artifacts there (and only those).",
+    "replaces the demo's earlier artifacts there (and only those) once it "
+    "is complete; an interrupted rerun leaves them as they were.",
     add_arguments=add_arguments,
     run=run,
 )

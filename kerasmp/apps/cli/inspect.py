@@ -19,7 +19,7 @@ def run(args):
     model = load_model(args, args.model, modules)
     from kerasmp.policy.report import dtype_report
 
-    report = dtype_report(model)
+    report = dtype_report(model, from_file=True)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:

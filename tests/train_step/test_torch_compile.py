@@ -1,0 +1,114 @@
+"""`jit_compile=True` on PyTorch (`torch.compile`) with kerasmp.
+
+Dynamo compiles the code a compiled train step runs after a graph break
+frame by frame, each guarded on the Python values it read, and recompiles a
+frame whose guard fails, up to `torch._dynamo.config.recompile_limit`; past
+it the frame runs eagerly. kerasmp must add no such guard: on a small
+transformer under mixed_float16, a jit fit under kerasmp recompiles no frame
+of kerasmp's and no more often than the same fit under stock Keras
+(`kerasmp.uninstall()`, Keras's own mixed_float16 and LossScaleOptimizer).
+"""
+
+import functools
+import logging
+import re
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmp
+
+pytestmark = [pytest.mark.torch, pytest.mark.torch_jit]
+
+if keras.backend.backend() != "torch":
+    pytest.skip("torch.compile: PyTorch only", allow_module_level=True)
+
+import torch  # noqa: E402
+
+_KERASMP_DIR = kerasmp.__file__.rsplit("/", 1)[0]
+
+
+class _Recompiles(logging.Handler):
+    """Dynamo's "Recompiling function ..." records (TORCH_LOGS=recompiles)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "Recompiling function" in message:
+            self.records.append(message)
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((8,), dtype="int32")
+    x = keras.layers.Embedding(20, 8)(tokens)
+    x = keras.layers.LayerNormalization()(
+        x + keras.layers.MultiHeadAttention(1, 4)(x, x)
+    )
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(tokens, outputs)
+
+
+def _jit_fit_recompiles(monkeypatch):
+    """The recompiles of a fresh Dynamo during each of two jit epochs of 3
+    steps. Dynamo's "eager" backend: the guards and recompiles are Dynamo's
+    (Inductor would only add its compile time)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (12, 8)).astype("int32")
+    y = rng.integers(0, 3, (12,))
+    model = _model()
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=True)
+    monkeypatch.setattr(
+        torch, "compile", functools.partial(torch.compile, backend="eager")
+    )
+    torch._dynamo.reset()
+    handler = _Recompiles()
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    epochs = []
+    try:
+        for _ in range(2):
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+            epochs.append(handler.records[len(sum(epochs, [])):])
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    return epochs
+
+
+def _stock_recompiles(monkeypatch):
+    kerasmp.uninstall()
+    try:
+        keras.config.set_dtype_policy("mixed_float16")
+        return _jit_fit_recompiles(monkeypatch)
+    finally:
+        keras.config.set_dtype_policy("float32")
+        kerasmp.install()
+
+
+def _frames(records):
+    return [re.search(r"Recompiling function (\S+ in \S+)", r).group(1)
+            for r in records]
+
+
+def test_jit_fit_recompiles_nothing_of_kerasmp(mixed_policy, monkeypatch):
+    stock = _stock_recompiles(monkeypatch)
+    ours = _jit_fit_recompiles(monkeypatch)
+    for r in ours[0] + ours[1]:
+        assert _KERASMP_DIR not in r, r
+    # No guard fails from step to step: the second epoch recompiles nothing.
+    assert not ours[1], _frames(ours[1])
+    assert len(ours[0]) <= len(stock[0] + stock[1]), (
+        f"{len(ours[0])} recompiles under kerasmp, "
+        f"{len(stock[0] + stock[1])} under stock Keras; kerasmp's frames: "
+        f"{sorted(set(_frames(ours[0])))}, stock's: "
+        f"{sorted(set(_frames(stock[0] + stock[1])))}"
+    )
