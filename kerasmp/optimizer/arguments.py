@@ -12,6 +12,8 @@ import numbers
 import keras
 import numpy as np
 
+from kerasmp._utils.arrays import to_numpy
+
 
 class _DefaultScale(float):
     """The default `initial_scale` (2**15), told apart from an explicit
@@ -181,3 +183,71 @@ def validate(
         f'"auto" or a number from min_scale ({min_scale!r}) to {upper}',
     )
     return float(initial_scale)
+
+
+SETTINGS = ("auto", "initial_scale", "dynamic_growth_steps",
+             "growth_factor", "backoff_factor", "hysteresis",
+             "consecutive_hysteresis", "min_scale", "max_scale", "dynamic")
+
+
+def resolve(
+    inner_optimizer,
+    stock,
+    *,
+    initial_scale,
+    dynamic_growth_steps,
+    growth_factor,
+    backoff_factor,
+    hysteresis,
+    consecutive_hysteresis,
+    min_scale,
+    max_scale,
+    dynamic,
+    name,
+):
+    """`LossScaleOptimizer`'s arguments, checked and resolved:
+    `(inner_optimizer, {attribute: value}, name)`; with `stock` (the
+    optimizer is Keras's own LossScaleOptimizer) its inner optimizer, scale
+    and interval, unless given."""
+    if stock:
+        stock = inner_optimizer
+        inner_optimizer = stock.inner_optimizer
+        if initial_scale is DEFAULT_INITIAL_SCALE:
+            initial_scale = current_scale(stock)
+        if dynamic_growth_steps is DEFAULT_GROWTH_STEPS:
+            dynamic_growth_steps = stock.dynamic_growth_steps
+        name = stock.name if name is None else name
+    auto = isinstance(initial_scale, str) and initial_scale == AUTO
+    initial_scale = validate(
+        inner_optimizer,
+        initial_scale=initial_scale,
+        dynamic_growth_steps=dynamic_growth_steps,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        dynamic=dynamic,
+    )
+    settings = {
+        "auto": auto,
+        "initial_scale": initial_scale,
+        "dynamic_growth_steps": int(dynamic_growth_steps),
+        "growth_factor": float(growth_factor),
+        "backoff_factor": float(backoff_factor),
+        "hysteresis": int(hysteresis),
+        "consecutive_hysteresis": bool(consecutive_hysteresis),
+        "min_scale": float(min_scale),
+        "max_scale": None if max_scale is None else float(max_scale),
+        "dynamic": bool(dynamic),
+    }
+    return inner_optimizer, settings, name
+
+
+def current_scale(optimizer):
+    """A stock LossScaleOptimizer's scale: its current one once built."""
+    scale = getattr(optimizer, "dynamic_scale", None)
+    if scale is None:
+        return float(optimizer.initial_scale)
+    return float(to_numpy(scale))

@@ -28,7 +28,11 @@ from kerasmp.optimizer.arguments import DEFAULT_GROWTH_STEPS
 from kerasmp.optimizer.arguments import DEFAULT_INITIAL_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MAX_SCALE
 from kerasmp.optimizer.arguments import DEFAULT_MIN_SCALE
-from kerasmp.optimizer.arguments import validate
+from kerasmp.optimizer.arguments import SETTINGS
+from kerasmp.optimizer.arguments import resolve
+from kerasmp.optimizer.gradients import map_values
+from kerasmp.optimizer.gradients import max_abs
+from kerasmp.optimizer.gradients import values
 from kerasmp.optimizer.saving import ScaleStateStore
 from kerasmp.optimizer.saving import kerasmp_variables
 from kerasmp.optimizer.saving import load_layout
@@ -128,8 +132,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name=None,
         **kwargs,
     ):
-        inner_optimizer, settings, name = _settings(
+        inner_optimizer, settings, name = resolve(
             inner_optimizer,
+            _is_stock(inner_optimizer),
             initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps,
             growth_factor=growth_factor,
@@ -174,7 +179,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         (1, 16777216.0)
         """
         if isinstance(optimizer, cls):
-            return {key: getattr(optimizer, key) for key in _SETTINGS}
+            return {key: getattr(optimizer, key) for key in SETTINGS}
         defaults = {
             key: parameter.default
             for key, parameter in inspect.signature(
@@ -182,7 +187,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ).parameters.items()
             if parameter.default is not parameter.empty
         }
-        return _settings(optimizer, **defaults)[1]
+        return resolve(optimizer, _is_stock(optimizer), **defaults)[1]
 
     # ------------------------------------------------------------------ state
 
@@ -292,7 +297,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def check_finite(self, grads):
         """A scalar bool: whether every gradient is free of inf and NaN."""
         flags = [
-            ops.all(ops.isfinite(_values(g))) for g in grads if g is not None
+            ops.all(ops.isfinite(values(g))) for g in grads if g is not None
         ]
         return (
             ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
@@ -302,7 +307,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return [
             g
             if g is None or _ki.overwrites_with_gradient(self, v)
-            else _map_values(lambda x: ops.cast(x / scale, x.dtype), g)
+            else map_values(lambda x: ops.cast(x / scale, x.dtype), g)
             for g, v in zip(grads, trainable_variables)
         ]
 
@@ -342,7 +347,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return None
         return _branch(
             ops.equal(iterations, 0),
-            lambda: _max_abs(grads),
+            lambda: max_abs(grads),
             lambda: ops.zeros((), "float32"),
         )
 
@@ -563,64 +568,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 
 
-_SETTINGS = ("auto", "initial_scale", "dynamic_growth_steps",
-             "growth_factor", "backoff_factor", "hysteresis",
-             "consecutive_hysteresis", "min_scale", "max_scale", "dynamic")
-
-
-def _settings(
-    inner_optimizer,
-    *,
-    initial_scale,
-    dynamic_growth_steps,
-    growth_factor,
-    backoff_factor,
-    hysteresis,
-    consecutive_hysteresis,
-    min_scale,
-    max_scale,
-    dynamic,
-    name,
-):
-    """`LossScaleOptimizer`'s arguments, checked and resolved:
-    `(inner_optimizer, {attribute: value}, name)` (a stock
-    LossScaleOptimizer gives its inner optimizer, scale and interval)."""
-    if _is_stock(inner_optimizer):
-        stock = inner_optimizer
-        inner_optimizer = stock.inner_optimizer
-        if initial_scale is DEFAULT_INITIAL_SCALE:
-            initial_scale = _current_scale(stock)
-        if dynamic_growth_steps is DEFAULT_GROWTH_STEPS:
-            dynamic_growth_steps = stock.dynamic_growth_steps
-        name = stock.name if name is None else name
-    auto = isinstance(initial_scale, str) and initial_scale == AUTO
-    initial_scale = validate(
-        inner_optimizer,
-        initial_scale=initial_scale,
-        dynamic_growth_steps=dynamic_growth_steps,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        hysteresis=hysteresis,
-        consecutive_hysteresis=consecutive_hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        dynamic=dynamic,
-    )
-    settings = {
-        "auto": auto,
-        "initial_scale": initial_scale,
-        "dynamic_growth_steps": int(dynamic_growth_steps),
-        "growth_factor": float(growth_factor),
-        "backoff_factor": float(backoff_factor),
-        "hysteresis": int(hysteresis),
-        "consecutive_hysteresis": bool(consecutive_hysteresis),
-        "min_scale": float(min_scale),
-        "max_scale": None if max_scale is None else float(max_scale),
-        "dynamic": bool(dynamic),
-    }
-    return inner_optimizer, settings, name
-
-
 def _no_op():
     return None
 
@@ -650,41 +597,3 @@ def _is_stock(optimizer):
     return isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer
     ) and not isinstance(optimizer, LossScaleOptimizer)
-
-
-def _current_scale(optimizer):
-    """A stock LossScaleOptimizer's scale: its current one once built."""
-    scale = getattr(optimizer, "dynamic_scale", None)
-    if scale is None:
-        return float(optimizer.initial_scale)
-    return float(to_numpy(scale))
-
-
-def _max_abs(grads):
-    """The largest |value| over all gradients, as a float32 scalar."""
-    peaks = [
-        ops.max(ops.abs(ops.cast(_values(g), "float32")))
-        for g in grads
-        if g is not None
-    ]
-    return ops.max(ops.stack(peaks)) if peaks else ops.zeros((), "float32")
-
-
-
-def _values(g):
-    """The dense values of a gradient (`tf.IndexedSlices` keeps its values)."""
-    return getattr(g, "values", g) if _is_indexed_slices(g) else g
-
-
-def _map_values(fn, g):
-    if _is_indexed_slices(g):
-        import tensorflow as tf
-
-        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
-    return fn(g)
-
-
-def _is_indexed_slices(g):
-    return type(g).__name__ == "IndexedSlices"
-
-
