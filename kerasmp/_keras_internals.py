@@ -448,3 +448,11 @@ def jax_coordination_client():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def is_backend_module(module):
+    """Whether `module` (a serialized object's module name) is one of a
+    Keras backend's private modules (`keras.src.backend.<backend>...`):
+    on PyTorch Keras serializes its optimizers as their torch subclasses
+    there (`keras.src.backend.torch.optimizers.torch_adam`)."""
+    return isinstance(module, str) and module.startswith("keras.src.backend.")

@@ -868,3 +868,16 @@ def test_the_finder_flags_private_access():
     assert {"_tracker", "_trainable_variables", "_compute_dtype"} <= (
         keras_private
     )
+
+
+@pytest.mark.torch
+def test_is_backend_module_names_the_torch_optimizers():
+    # On PyTorch Keras serializes its optimizers as their backend subclass
+    # (what kerasmp.optimizer.saving.public_module rewrites); elsewhere as
+    # the public class.
+    module = keras.saving.serialize_keras_object(
+        keras.optimizers.Adam())["module"]
+    assert ki.is_backend_module(module) == (BACKEND == "torch"), (
+        _changed(f"where Adam is serialized ({module})"))
+    assert not ki.is_backend_module("keras.optimizers")
+    assert not ki.is_backend_module(None)

@@ -105,7 +105,7 @@ def public_module(entry):
     a built-in optimizer that names a backend's module.
 
     On PyTorch, Keras serializes `keras.optimizers.Adam` as its backend
-    subclass's module (`keras.src.backend.torch.optimizers.torch_adam`):
+    subclass's private module (`_ki.is_backend_module`):
     loaded on another backend, that module's class ran torch ops on
     TensorFlow variables, so a compiled file written on PyTorch did not
     train on TensorFlow (stock Keras 3.15 the same). Loaded from
@@ -120,8 +120,7 @@ def public_module(entry):
         return entry
     module = entry.get("module")
     name = entry.get("class_name")
-    if (isinstance(module, str) and module.startswith("keras.src.backend.")
-            and isinstance(name, str)
+    if (_ki.is_backend_module(module) and isinstance(name, str)
             and isinstance(getattr(keras.optimizers, name, None), type)):
         return {**entry, "module": "keras.optimizers"}
     return entry
