@@ -80,13 +80,13 @@ from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import advice as _policy_advice
 from kerasmp.policy import saving as _saving
 from kerasmp.policy import stock as _stock_policy
+from kerasmp.policy.handback import hand_back
+from kerasmp.policy.handback import handoff_dtype
 from kerasmp.policy.measure import measure_once
 from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan as build_plan
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
-from kerasmp.policy.policy import hand_back
-from kerasmp.policy.policy import handoff_dtype
 from kerasmp.policy.workers import check_workers_agree
 from kerasmp.policy.workers import describe_loss_scale
 from kerasmp.policy.workers import loss_scale_settings

@@ -69,7 +69,7 @@ from kerasmp.apps.zoo import make_data
 from kerasmp.callbacks.performance import PerformanceMonitor
 from kerasmp.debug.nonfinite import record_calls
 from kerasmp.float8 import float8_layers
-from kerasmp.policy.policy import handoff_dtype
+from kerasmp.policy.handback import handoff_dtype
 
 MEMORY_METHOD = (
     "activation_bytes: sum of the outputs of every leaf layer (nested layers "

@@ -27,7 +27,7 @@ from kerasmp.callbacks.nonfinite_events import forget_run
 from kerasmp.debug.nonfinite import find_nonfinite
 from kerasmp.policy import Float32Override
 from kerasmp.policy import Policy
-from kerasmp.policy.policy import FALLBACK_RULE
+from kerasmp.policy.handback import FALLBACK_RULE
 
 # ----------------------------------------------------------------- locating
 

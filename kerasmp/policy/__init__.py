@@ -13,6 +13,8 @@
 The patches that make Keras honour a `Policy` are in `kerasmp._patches`.
 """
 
+from kerasmp.policy.handback import hand_back
+from kerasmp.policy.handback import handoff_dtype
 from kerasmp.policy.policy import DEFAULT_FLOAT32_LAYERS
 from kerasmp.policy.policy import KNOWN_FLOAT16_HAZARDS
 from kerasmp.policy.policy import NORMALIZATION_BY_NAME
@@ -20,8 +22,6 @@ from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import float32_rule
 from kerasmp.policy.policy import global_policy
-from kerasmp.policy.policy import hand_back
-from kerasmp.policy.policy import handoff_dtype
 from kerasmp.policy.policy import policy_scope
 from kerasmp.policy.policy import set_global_policy
 from kerasmp.policy.policy import stored_policy

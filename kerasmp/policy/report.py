@@ -7,7 +7,7 @@ import keras
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
 from kerasmp.float8.layers import report_reason
-from kerasmp.policy.policy import FALLBACK_RULE
+from kerasmp.policy.handback import FALLBACK_RULE
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import global_policy
