@@ -41,6 +41,7 @@ from kerasmp.export.arguments import check_model
 from kerasmp.export.arguments import keep_rules
 from kerasmp.export.quiet import say
 from kerasmp.policy import policy as _policy
+from kerasmp.policy.handback import hand_back
 from kerasmp.policy.measure import measure_once
 
 DTYPES = ("float16", "bfloat16")
@@ -451,7 +452,7 @@ def _handing_back(layer, dtype):
 
     @functools.wraps(call)
     def wrapped(*args, **kwargs):
-        return _policy.hand_back(call(*args, **kwargs), dtype)
+        return hand_back(call(*args, **kwargs), dtype)
 
     return wrapped
 
