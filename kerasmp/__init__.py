@@ -27,6 +27,8 @@ _LAZY = {
     "callbacks": ("kerasmp.callbacks", None),
     "CheckReport": ("kerasmp.debug.findings", "CheckReport"),
     "check": ("kerasmp.debug.hazards", "check"),
+    "check_workers_agree": (
+        "kerasmp.policy.workers", "check_workers_agree"),
     "debug": ("kerasmp.debug", None),
     "export": ("kerasmp.export", None),
     "NonFiniteError": ("kerasmp.errors", "NonFiniteError"),
@@ -67,6 +69,7 @@ __all__ = [
     "Policy",
     "callbacks",
     "check",
+    "check_workers_agree",
     "debug",
     "doctor",
     "export",

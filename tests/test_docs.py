@@ -25,6 +25,15 @@ How the blocks are found and run (also in docs/architecture.md,
     KERAS_BACKEND=tensorflow and =jax; its `any` and `torch` blocks also
     under =torch, marked `torch`); a continuation inherits its chain's
     backend.
+  - `<!-- processes: N -->`: the block is a multi-process job (docs/
+    scaling_out.md): it runs as N fresh Python processes on 127.0.0.1,
+    under its backend, each with the variables a launcher such as
+    `torchrun` sets: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
+    and `TF_CONFIG` (a worker cluster of N free ports). Every process
+    must exit with status 0 within `PROCESS_TIMEOUT` seconds, else the
+    whole process group is killed and the test fails with each one's
+    output tail. Such a block stands alone (no `name`/`continues`), and
+    its test is marked `slow`.
 
 - Each chain runs in this process (TensorFlow or JAX is imported once), in
   a fresh namespace, in an empty temporary folder as the working
@@ -37,7 +46,12 @@ Keep blocks small: the data that ships with kerasmp (the 8x8 digits,
 should stay under about two minutes per backend on a CPU.
 """
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -50,8 +64,9 @@ BACKEND = keras.backend.backend()
 
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _MARKER = re.compile(r"^<!--\s*(.*?)\s*-->\s*$")
-_KEYED = re.compile(r"^(name|continues|backend):\s*(\S+)$")
+_KEYED = re.compile(r"^(name|continues|backend|processes):\s*(\S+)$")
 BACKENDS = ("tensorflow", "jax", "torch", "any")
+PROCESS_TIMEOUT = 300  # seconds for a `processes` block's whole job
 
 
 class Block:
@@ -85,6 +100,11 @@ def parse_markers(comment_lines, where):
         if key == "backend" and value not in BACKENDS:
             raise ValueError(
                 f"{where}: backend must be one of {', '.join(BACKENDS)}; "
+                f"got {value!r}"
+            )
+        if key == "processes" and not (value.isdigit() and int(value) > 1):
+            raise ValueError(
+                f"{where}: processes must be an integer of 2 or more; "
                 f"got {value!r}"
             )
         markers[key] = value
@@ -133,6 +153,12 @@ def chains():
         by_name = {}
         chain_of = {}
         for block in blocks:
+            if "processes" in block.markers and (
+                    {"name", "continues"} & set(block.markers)):
+                raise ValueError(
+                    f"{block.where}: a `processes` block stands alone "
+                    "(no `name` or `continues`)"
+                )
             name = block.markers.get("name")
             if name is not None:
                 if name in by_name:
@@ -171,6 +197,8 @@ def _params():
             marks.append(pytest.mark.tensorflow)
         if backend in ("any", "torch"):
             marks.append(pytest.mark.torch)
+        if "processes" in chain[0].markers:
+            marks.append(pytest.mark.slow)
         params.append(pytest.param(chain, id=chain[0].where, marks=marks))
     return params
 
@@ -191,8 +219,64 @@ def doc_env(tmp_path, monkeypatch):
         keras.distribution.set_distribution(None)
 
 
+def run_processes(block, folder, timeout=PROCESS_TIMEOUT):
+    """Runs a `processes: N` block as N fresh processes on 127.0.0.1 (see
+    the module docstring); fails with every process's output tail unless
+    all exit with status 0 in time."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _helpers import free_ports
+    from _helpers import subprocess_env
+
+    count = int(block.markers["processes"])
+    backend = block.markers.get("backend", "tensorflow")
+    script = folder / "job.py"
+    # Pad with newlines so that tracebacks give the Markdown line numbers.
+    script.write_text("\n" * (block.line - 1) + block.source)
+    ports = free_ports(count + 1)
+    procs = []
+    for rank in range(count):
+        env = subprocess_env(BACKEND if backend == "any" else backend)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(count), MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(ports[0]),
+            TF_CONFIG=json.dumps({
+                "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports[1:]]},
+                "task": {"type": "worker", "index": rank},
+            }),
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script)], cwd=folder, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group, killed whole below
+        ))
+    outputs, failed = [], False
+    try:
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                outputs.append(f"(killed after {timeout} s)")
+                failed = True
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    codes = [proc.returncode for proc in procs]
+    if failed or any(codes):
+        tails = "\n".join(
+            f"--- process {rank} (status {code}):\n{out[-2000:]}"
+            for rank, (code, out) in enumerate(zip(codes, outputs))
+        )
+        raise AssertionError(f"the block at {block.where} failed:\n{tails}")
+
+
 @pytest.mark.parametrize("chain", _params())
 def test_doc_block_runs_as_written(chain, doc_env):
+    if "processes" in chain[0].markers:
+        run_processes(chain[0], doc_env)
+        return
     namespace = {"__name__": "__docs__"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the docs' own warnings are examples
@@ -257,6 +341,47 @@ def test_parser_markers(tmp_path):
         globals()["ROOT"] = saved_root
         DOC_FILES = saved_files
 
+
+
+@pytest.mark.torch
+def test_processes_blocks_run_as_separate_processes_and_stop(tmp_path):
+    """A `processes: 2` block runs as two processes that see their rank;
+    one that hangs is killed, as a group, and fails in bounded time; a
+    `processes` block cannot be continued."""
+    import time
+
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "<!-- processes: 2 -->\n<!-- backend: any -->\n```python\n"
+        "import os, pathlib\n"
+        "assert os.environ['WORLD_SIZE'] == '2'\n"
+        "pathlib.Path('rank' + os.environ['RANK']).write_text('x')\n"
+        "if os.environ['RANK'] == '1' and os.environ.get('HANG'):\n"
+        "    import time; time.sleep(600)\n```\n"
+    )
+    saved_root, saved_files = globals()["ROOT"], DOC_FILES
+    try:
+        globals()["ROOT"] = tmp_path
+        globals()["DOC_FILES"] = [doc]
+        (block,) = parse_blocks(doc)
+        run_processes(block, tmp_path)
+        assert (tmp_path / "rank0").exists()
+        assert (tmp_path / "rank1").exists()
+        block.source = "import os\nos.environ['HANG'] = '1'\n" + block.source
+        block.line -= 2
+        start = time.monotonic()
+        with pytest.raises(AssertionError, match="killed after 3 s"):
+            run_processes(block, tmp_path, timeout=3)
+        assert time.monotonic() - start < 30
+        with pytest.raises(ValueError, match="processes must be an integer"):
+            parse_markers(["<!-- processes: one -->"], "x.md:1")
+        doc.write_text("<!-- processes: 2 -->\n<!-- name: a -->\n"
+                       "```python\nx = 1\n```\n")
+        with pytest.raises(ValueError, match="stands alone"):
+            chains()
+    finally:
+        globals()["ROOT"] = saved_root
+        globals()["DOC_FILES"] = saved_files
 
 
 def named_block(path, name):

@@ -1,15 +1,16 @@
 """Do all workers of a multi-worker run train with the same precision setup?
 
-Under `tf.distribute.MultiWorkerMirroredStrategy`, and on JAX in a
-multi-process run (`jax.distributed.initialize` /
-`keras.distribution.initialize`, with a `keras.distribution`), each worker is
-its own process and builds its own model. If one of them builds it under another
-dtype policy, other float32 rules, another float8 assignment or another
-loss-scale configuration, the all-reduced gradients mix float16 and float32
-replicas, or one worker skips a step the others apply, and the run hangs or
-silently diverges. `check_workers_agree(model)` exchanges each worker's
-settings and, on any difference, raises the same error on every worker,
-naming the field and every worker's value.
+Under `tf.distribute.MultiWorkerMirroredStrategy`, on JAX in a multi-process
+run (`jax.distributed.initialize` / `keras.distribution.initialize`, with a
+`keras.distribution`), and on PyTorch in a `torch.distributed` process group
+(the `DistributedDataParallel` loop of Keras's multi-GPU PyTorch guide),
+each worker is its own process and builds its own model. If one of them
+builds it under another dtype policy, other float32 rules, another float8
+assignment or another loss-scale configuration, the all-reduced gradients
+mix float16 and float32 replicas, or one worker skips a step the others
+apply, and the run hangs or silently diverges. `check_workers_agree(model)`
+exchanges each worker's settings and, on any difference, raises the same
+error on every worker, naming the field and every worker's value.
 
 kerasmp's `compile` calls it first, before it creates anything: on JAX each
 variable created under a distribution is itself a collective (`device_put`
@@ -18,11 +19,12 @@ checks that every process passes the same value), so a worker that made a
 out of step with theirs, and the first exchange would have paired with
 another worker's variable (gloo aborts the job on the size mismatch; NCCL
 can hang). The exchange itself never depends on the settings: on
-TensorFlow one all-gather of a fixed-size digest per worker, then, only
-when two digests differ, one of the settings padded to the longest (every
-worker knows its length from the first); on JAX no collective at all, the
-settings go through the coordination service's key-value store, with a
-timeout.
+TensorFlow and PyTorch one all-gather of a fixed-size digest per worker,
+then, only when two digests differ, one of the settings padded to the
+longest (every worker knows its length from the first); on JAX no
+collective at all, the settings go through the coordination service's
+key-value store, with a timeout. A custom loop, which never calls
+`compile`, calls `kerasmp.check_workers_agree(model, optimizer)` itself.
 """
 
 import hashlib
@@ -168,6 +170,60 @@ def _tf_exchange(strategy, text, timeout):
     }
 
 
+def _torch_world():
+    """`(rank, world_size)` in an initialized `torch.distributed` process
+    group of two processes or more, else None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size() < 2:
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _torch_exchange(text, timeout):
+    """Every `torch.distributed` rank's `text`, `{rank: text}`. Each
+    all-gather has the same shape on every rank, as on TensorFlow.
+
+    Raises:
+        TimeoutError: a rank did not reach the check within `timeout`
+            seconds.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = _torch_world()
+
+    def all_gather(row):
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.zeros_like(mine) for _ in range(world)]
+        work = dist.all_gather(rows, mine, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise TimeoutError(
+                f"kerasmp: not every rank reached the mixed-precision "
+                f"settings check within {timeout:g} s (this is rank {rank} "
+                f"of {world}): every rank must build and compile the same "
+                f"model, or call `kerasmp.check_workers_agree` ({e})"
+            ) from None
+        return torch.stack(rows).numpy()
+
+    payload = list(text.encode("utf-8"))
+    heads = all_gather([rank, len(payload)] + _digest(text))
+    if len({tuple(row[2:]) for row in heads}) == 1:
+        return {int(row[0]): text for row in heads}
+    width = int(heads[:, 1].max())
+    rows = all_gather([rank] + payload + [0] * (width - len(payload)))
+    return {
+        int(row[0]): bytes(int(b) for b in row[1:] if b).decode("utf-8")
+        for row in rows
+    }
+
+
 def _jax_exchange(text, timeout):
     """Every JAX process's `text`, `{process_index: text}`, through the
     coordination service's key-value store (no collective), or None in a
@@ -209,52 +265,66 @@ def _jax_exchange(text, timeout):
     return texts
 
 
-def check_workers_agree(model, strategy=None, plan=None, loss_scale=...,
-                        timeout=DEFAULT_TIMEOUT):
+def check_workers_agree(model, optimizer=None, strategy=None, plan=None,
+                        loss_scale=..., timeout=DEFAULT_TIMEOUT):
     """Raises on every worker if the workers' precision settings differ.
 
     Exchanges `worker_settings(model)` between the workers of a
     `tf.distribute.MultiWorkerMirroredStrategy` on TensorFlow (a collective:
-    every worker must call it; kerasmp's `compile` does), or of a
+    every worker must call it; kerasmp's `compile` does), of a
     multi-process JAX run (`jax.process_count() > 1`, through the
-    coordination service: no collective). Does nothing in a single process.
+    coordination service: no collective), or of a `torch.distributed`
+    process group on PyTorch (a collective: two all-gathers at most, of a
+    fixed size, then of the settings padded alike). Does nothing in a
+    single process. A custom training loop (no `compile`) calls it once,
+    after building the model and its optimizer, before the first step.
 
     Args:
         model: this worker's `keras.Model`.
+        optimizer: Optional: the optimizer whose loss-scaling settings to
+            compare (a custom loop's); default: `model.optimizer`'s.
         strategy: TensorFlow only: the strategy; defaults to the one in
             scope.
         plan: Optional: the model's `Plan`, already made (compile's).
         loss_scale: Optional: the loss-scaling settings to compare, as
             `worker_settings` takes them; default: `model.optimizer`'s.
-        timeout: JAX only: seconds to wait for the other processes.
+        timeout: JAX and PyTorch: seconds to wait for the other processes.
 
     Raises:
         ValueError: on every worker, the same message, naming each field
             that differs and every worker's value.
-        TimeoutError: JAX only: a process did not reach the check in time.
+        TimeoutError: JAX and PyTorch: a process did not reach the check
+            in time.
 
-    Example:
+    Example (a PyTorch `DistributedDataParallel` loop, once per rank):
 
     ```python
-    with strategy.scope():
-        model = build_model()
-        model.compile(optimizer, loss)
-    kerasmp.policy.workers.check_workers_agree(model, strategy)
+    model = build_model()
+    optimizer = kerasmp.LossScaleOptimizer(keras.optimizers.SGD())
+    kerasmp.check_workers_agree(model, optimizer)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
     ```
     """
+    if optimizer is not None and loss_scale is ...:
+        loss_scale = loss_scale_settings(optimizer)
     backend = keras.backend.backend()
-    if backend not in ("tensorflow", "jax"):
-        return
-    if backend == "jax":
+    if backend == "torch":
+        if _torch_world() is None:
+            return
+    elif backend == "jax":
         import jax
 
         if jax.process_count() < 2:
             return
+    elif backend != "tensorflow":
+        return
     elif _multi_worker(_tf_strategy(strategy)) is None:
         return
     text = json.dumps(worker_settings(model, plan, loss_scale), sort_keys=True)
     if backend == "tensorflow":
         texts = _tf_exchange(strategy, text, timeout)
+    elif backend == "torch":
+        texts = _torch_exchange(text, timeout)
     else:
         texts = _jax_exchange(text, timeout)
     settings = {w: json.loads(t) for w, t in texts.items()}

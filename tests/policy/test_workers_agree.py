@@ -1,8 +1,11 @@
 """kerasmp.policy.workers.check_workers_agree: two MultiWorkerMirroredStrategy
 workers (two processes on 127.0.0.1), launched as in
-tests/optimizer/test_optimizer_distributed.py, and two JAX processes
+tests/optimizer/test_optimizer_distributed.py, two JAX processes
 (`jax.distributed.initialize` with CPU collectives, a
-`keras.distribution.DataParallel` over both).
+`keras.distribution.DataParallel` over both), and two PyTorch ranks of a
+gloo `torch.distributed` process group (the `compile` of a Keras model in
+a `DistributedDataParallel` job; the custom loop's own call is in
+tests/optimizer/test_optimizer_ddp.py).
 
 Each worker builds and compiles its model for four scenarios in turn
 (identical settings; another policy on worker 1; another float32 rule; another
@@ -130,16 +133,37 @@ JAX_WORKER = textwrap.dedent(
     """
 ) + SCENARIOS
 
+TORCH_WORKER = textwrap.dedent(
+    """
+    import contextlib, json, os, sys
+    index = int(sys.argv[1])
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = sys.argv[2].split(",")[0]
+    import torch
+    torch.distributed.init_process_group("gloo", rank=index, world_size=2)
+    import keras
+    import kerasmp
+    from kerasmp.policy.workers import check_workers_agree
+    from kerasmp.optimizer import LossScaleOptimizer
+
+    scope = contextlib.nullcontext
+    """
+) + SCENARIOS
+
 
 @pytest.mark.parametrize("backend", [
     pytest.param("tensorflow", marks=pytest.mark.tensorflow),
     pytest.param("jax", marks=pytest.mark.skipif(
         keras.backend.backend() != "jax",
         reason="runs in the JAX pass of tests/run.sh")),
+    pytest.param("torch", marks=[pytest.mark.torch, pytest.mark.skipif(
+        keras.backend.backend() != "torch",
+        reason="runs in the PyTorch pass of tests/run.sh")]),
 ])
 def test_workers_with_different_settings_all_raise_the_same_error(
         tmp_path, backend):
-    script = TF_WORKER if backend == "tensorflow" else JAX_WORKER
+    script = {"tensorflow": TF_WORKER, "jax": JAX_WORKER,
+              "torch": TORCH_WORKER}[backend]
     results = run_workers(tmp_path, script, backend, timeout=300)
     w0, w1 = results
     assert w0["same"] == w1["same"] == "ok"
