@@ -52,6 +52,8 @@ _LAZY = {
     "set_global_policy": ("kerasmp.policy", "set_global_policy"),
     "DTypeReport": ("kerasmp.policy.report", "DTypeReport"),
     "dtype_report": ("kerasmp.policy.report", "dtype_report"),
+    "TuneReport": ("kerasmp.tune.report", "TuneReport"),
+    "tune": ("kerasmp.tune", None),
 }
 
 __all__ = [
@@ -83,6 +85,8 @@ __all__ = [
     "policy_scope",
     "set_global_policy",
     "stored_policy",
+    "tune",
+    "TuneReport",
     "uninstall",
 ]
 

@@ -61,6 +61,10 @@ MAX_MOVES = 8
 FAILS_RULE = "fails in {dtype}"
 ROUTER_RULE = "MoE router (calls top_k)"
 PROJECTION_RULE = "MoE router scores ({router})"
+TUNE_RULE = "kept by kerasmp.tune"
+"""The rule of a layer `kerasmp.tune` keeps in float32 (a `Policy.measured`
+entry): recorded again, like the rules above, when the model is
+measured."""
 
 _HALF = ("float16", "bfloat16")
 _DT = {"HALF": "float16", "BFLOAT16": "bfloat16"}  # TensorFlow's DT_ names
@@ -256,6 +260,7 @@ def _measure(model, policy, inputs, dry_run):
 def _is_measured(rule):
     return isinstance(rule, str) and (
         rule.startswith(FAILS_RULE.split("{")[0]) or rule == ROUTER_RULE
+        or rule == TUNE_RULE
         or rule.startswith(PROJECTION_RULE.split("{")[0]))
 
 
