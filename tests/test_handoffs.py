@@ -61,3 +61,20 @@ def test_the_slow_subset_is_ok_where_the_backend_writes_it(tmp_path):
     for key, result in results.items():
         cell = result["cell"]
         assert cell == "ok" or CANNOT_WRITE in cell, (key, cell)
+
+
+def test_the_tables_are_the_recorded_matrix_and_every_cell_has_a_verdict():
+    """README.md, docs/guide.md and docs/export.md show what
+    benchmarks/results/handoffs.json recorded (no table claims a cell that
+    has not run), and that JSON holds every cell of `cells.py`, each `ok`
+    or `refused: <reason>`."""
+    import json
+
+    from handoffs import report
+
+    with open(ROOT / "benchmarks" / "results" / "handoffs.json") as f:
+        data = json.load(f)
+    assert set(data["cells"]) == {c.key for c in spec.cells()}
+    for key, value in data["cells"].items():
+        assert value == "ok" or value.startswith("refused: "), (key, value)
+    assert report.write_tables(data, str(ROOT), check=True) == []

@@ -92,7 +92,9 @@ class TuneReport:
             "policy": self.policy.get_config(),
             "target": self.target, "before": self.before,
             "after": self.after,
-            "float32_flop_share": self.float32_flop_share._asdict(),
+            "float32_flop_share": {
+                "before": self.float32_flop_share.before,
+                "after": self.float32_flop_share.after},
             "passes": self.passes, "seconds": round(self.seconds, 3),
             "met": self.met, "reason": self.reason, "floor": self.floor,
             "metric": self.metric, "metric_values": self.metric_values,
