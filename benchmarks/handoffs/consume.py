@@ -116,20 +116,41 @@ def _dtypes_kept(model, saved, plain):
                       f"{got}, saved in {was}")
 
 
+# A dynamic loss scale skips the steps whose scaled gradients overflow and
+# halves itself each time (stock Keras and kerasmp alike, as PyTorch's
+# GradScaler does): a model whose gradients overflow at the saved scale
+# trains on only after that warm-up. The tiny GPT-OSS does: its producer's
+# two steps were both skipped (32768, 16384), and a reload skips two more
+# (8192, 4096) before its steps apply at 2048.
+WARMUP_FITS = 8
+
+
 def _trains_on(model, folder):
-    """Two steps of `fit`: finite loss, changed weights."""
+    """`fit` on the two saved steps until one applies: a finite loss and
+    changed weights. Steps skipped by the loss scale's warm-up are allowed
+    (at most `WARMUP_FITS` fits, each of two steps) when the history
+    shows them skipped; returns the loss and the steps skipped."""
     x, y = _fit_data(folder)
     before = [np.array(w) for w in model.get_weights()]
-    history = _step("fit", lambda: model.fit(
-        x, y, batch_size=models.FIT_BATCH, epochs=1, shuffle=False,
-        verbose=0))
-    loss = history.history.get("loss", [float("nan")])[-1]
-    if not np.isfinite(loss):
-        raise Refused(f"fit: loss {loss}")
-    after = model.get_weights()
-    if all(np.array_equal(a, b) for a, b in zip(before, after)):
-        raise Refused("fit: no weight changed in two steps")
-    return float(loss)
+    skipped = 0
+    for _ in range(WARMUP_FITS):
+        history = _step("fit", lambda: model.fit(
+            x, y, batch_size=models.FIT_BATCH, epochs=1, shuffle=False,
+            verbose=0))
+        loss = history.history.get("loss", [float("nan")])[-1]
+        after = model.get_weights()
+        if not all(np.array_equal(a, b) for a, b in zip(before, after)):
+            if not np.isfinite(loss):
+                raise Refused(f"fit: loss {loss}")
+            return float(loss), skipped
+        counted = history.history.get("skipped_steps")
+        if counted is None or counted[-1] <= skipped:
+            # No step was counted as skipped: a step that ran and left
+            # every weight as it was.
+            raise Refused("fit: no weight changed in two steps")
+        skipped = int(counted[-1])
+    raise Refused(f"fit: no weight changed in {2 * WARMUP_FITS} steps, "
+                  f"{skipped} skipped by the loss scale")
 
 
 def _load_all(path):
@@ -178,7 +199,7 @@ def training_file(job, manifest, kerasmp):
     y = _step("run", model.predict, _inputs(folder), 0, 0)
     reference = np.load(os.path.join(folder, "trained.npy"))
     out["rel_diff"] = _parity(y, reference, job["gate"])
-    out["loss"] = _trains_on(model, folder)
+    out["loss"], out["skipped_steps"] = _trains_on(model, folder)
     return out
 
 
