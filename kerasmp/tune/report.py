@@ -123,7 +123,7 @@ class TuneReport:
         if self.layers:
             lines.append("")
             lines.append(render_table(
-                ("layer kept in float32", "with sublayers",
+                ("layer kept in float32", "whole layer",
                  "error with only it in float32", "FLOP share"),
                 [(k.path, "yes" if k.whole else "no",
                   "-" if k.error_alone is None else f"{k.error_alone:.3g}",
