@@ -16,8 +16,9 @@ from kerasmp.apps.cli.demo import DEMO
 from kerasmp.apps.cli.doctor import DOCTOR
 from kerasmp.apps.cli.export import EXPORT
 from kerasmp.apps.cli.inspect import INSPECT
+from kerasmp.apps.cli.tune import TUNE
 
-COMMANDS = (DOCTOR, INSPECT, CHECK, DEMO, EXPORT, BENCH)
+COMMANDS = (DOCTOR, INSPECT, CHECK, TUNE, DEMO, EXPORT, BENCH)
 
 
 def add_common(parser, default):
