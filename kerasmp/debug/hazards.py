@@ -410,7 +410,35 @@ def _gpu_visible():
                for d in visible_devices(keras.backend.backend()))
 
 
-def check(model, x=None, gpu=None):
+def _parity(model, x, target):
+    """A warning when the outputs on the user's sample are further than
+    `target` (max |diff| / range) from the same weights computed in
+    float32: a loss of precision that fails nothing, so that no rule
+    fires, and that `kerasmp tune` locates."""
+    if x is None or target is None:
+        return []
+    from kerasmp.export.parity import parity
+    from kerasmp.tune.apply import as_float32
+    from kerasmp.tune.apply import forward
+
+    half = forward(model, [x])
+    with as_float32(model):
+        reference = forward(model, [x])
+    figure = parity(reference, half)["rel_diff"]
+    if not figure > target:
+        return []
+    return [Finding(
+        "warning", "parity_over_target", "",
+        f"on the sample, the outputs are {figure:.3g} (max |diff| / range) "
+        f"from the same weights computed in float32, over {target:g}",
+        "a layer that loses precision in half precision fails nothing, so "
+        "no float32 rule fires; the model trains, further from float32",
+        f"find the fewest layers to keep in float32: `kerasmp.tune(model, "
+        f"x, target={target:g})`, or `kerasmp tune MODEL.keras --sample "
+        f"SAMPLE.npz --target {target:g}`")]
+
+
+def check(model, x=None, gpu=None, parity_target=2e-2):
     """Lists the precision hazards of `model`, before training.
 
     Args:
@@ -421,6 +449,10 @@ def check(model, x=None, gpu=None):
             inputs.
         gpu: Whether to include GPU advice (tensor-core sizes, severity
             "info"). None: when the backend sees a GPU.
+        parity_target: With a sample `x`, a warning (which names
+            `kerasmp tune`) when the outputs on it are further than this
+            from the same weights computed in float32 (max |diff| / output
+            range). None: not measured. Defaults to 2e-2.
 
     Returns:
         A `CheckReport`: `print()` it for a table, `.clean`,
@@ -459,6 +491,13 @@ def check(model, x=None, gpu=None):
         raise ValueError(
             f"Invalid `gpu`: {gpu!r}. Allowed values: None (when a GPU is "
             "visible), True, False.")
+    if parity_target is not None and (
+            isinstance(parity_target, bool)
+            or not isinstance(parity_target, (int, float))
+            or not parity_target >= 0):
+        raise ValueError(
+            f"Invalid `parity_target`: {parity_target!r}. Allowed values: "
+            "None or a number >= 0 (max |diff| / output range).")
     if gpu is None:
         gpu = _gpu_visible()
     findings = []
@@ -471,6 +510,7 @@ def check(model, x=None, gpu=None):
     findings += _weights_out_of_range(model)
     traced, notes = traced_run(model, x)
     findings += traced
+    findings += _parity(model, x, parity_target)
     if gpu:
         findings += _tensor_cores(model)
     return CheckReport(findings, notes)

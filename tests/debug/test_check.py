@@ -431,3 +431,33 @@ def _clean_model_for_file():
         return _functional(keras.layers.Dense(32, activation="relu"),
                            keras.layers.LayerNormalization(),
                            keras.layers.Dense(16, activation="softmax"))
+
+
+class _Offset(keras.layers.Layer):
+    """(x + 1e4) - 1e4: float16's spacing at 1e4 is 8, so x is lost."""
+
+    def call(self, x):
+        return (x + 1e4) - 1e4
+
+
+@pytest.mark.torch
+def test_a_sample_far_from_float32_points_to_kerasmp_tune():
+    def model(offset):
+        keras.utils.set_random_seed(0)
+        with kerasmp.policy_scope("mixed_float16"):
+            inputs = keras.Input((16,))
+            h = keras.layers.Dense(16)(inputs)
+            if offset:
+                h = _Offset()(h)
+            return keras.Model(inputs, keras.layers.Dense(4)(h))
+
+    x = np.random.default_rng(0).standard_normal((32, 16)).astype("float32")
+    found = _finding(kerasmp.check(model(True), x=x), "parity_over_target")
+    assert len(found) == 1 and found[0].severity == "warning"
+    assert "kerasmp tune" in found[0].fix and "--target 0.02" in found[0].fix
+    # Within the target, or without a sample of the user's: nothing.
+    assert "parity_over_target" not in kerasmp.check(model(False),
+                                                     x=x).codes()
+    assert "parity_over_target" not in kerasmp.check(model(True)).codes()
+    with pytest.raises(ValueError, match="parity_target"):
+        kerasmp.check(model(False), parity_target=-1)
