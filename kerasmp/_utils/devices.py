@@ -140,3 +140,35 @@ def jax_memory_stats():
 
     device = jax.devices()[0]
     return device, device.memory_stats() or {}
+
+
+def process_index():
+    """`(index, count)` of this process in a multi-process run of the
+    active backend, `(0, 1)` in a single process.
+
+    JAX: `jax.process_index()` / `jax.process_count()`; PyTorch: the rank
+    and world size of an initialized `torch.distributed` process group;
+    TensorFlow: the worker's task id and the worker count of the
+    `tf.distribute` strategy in scope (`MultiWorkerMirroredStrategy`). Only
+    a backend already imported is asked, so this never imports one.
+    """
+    import sys
+
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "jax" and "jax" in sys.modules:
+        jax = sys.modules["jax"]
+        return jax.process_index(), jax.process_count()
+    if backend == "torch" and "torch.distributed" in sys.modules:
+        dist = sys.modules["torch.distributed"]
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    if backend == "tensorflow" and "tensorflow" in sys.modules:
+        strategy = sys.modules["tensorflow"].distribute.get_strategy()
+        resolver = getattr(strategy, "cluster_resolver", None)
+        if resolver is not None:
+            workers = resolver.cluster_spec().as_dict().get("worker", [])
+            if len(workers) > 1:
+                return int(resolver.task_id or 0), len(workers)
+    return 0, 1

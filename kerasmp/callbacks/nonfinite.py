@@ -11,6 +11,8 @@ train step returns and changes no value in the logs.
 """
 
 import dataclasses
+import itertools
+import json
 import numbers
 import os
 
@@ -20,6 +22,7 @@ import numpy as np
 from kerasmp import _keras_internals as _ki
 from kerasmp import train_step as _train_step
 from kerasmp._utils.arrays import to_numpy
+from kerasmp._utils.devices import process_index
 from kerasmp._utils.warn import warn
 from kerasmp.callbacks.nonfinite_events import Rules
 from kerasmp.callbacks.nonfinite_events import State
@@ -29,6 +32,7 @@ from kerasmp.callbacks.nonfinite_events import classify
 from kerasmp.callbacks.nonfinite_events import classify_logged_loss
 from kerasmp.callbacks.nonfinite_events import classify_weights
 from kerasmp.callbacks.nonfinite_events import describe
+from kerasmp.callbacks.nonfinite_events import jsonable
 from kerasmp.callbacks.nonfinite_events import log_failed_message
 from kerasmp.callbacks.nonfinite_events import message
 from kerasmp.callbacks.nonfinite_events import new_event
@@ -42,8 +46,10 @@ from kerasmp.callbacks.nonfinite_fallback import reset_loss_scale
 from kerasmp.callbacks.shared import needs_kerasmp_optimizer
 from kerasmp.errors import NonFiniteError
 from kerasmp.errors import NonFiniteWarning
+from kerasmp.policy.workers import gather_on_first
 
 ACTIONS = ("warn", "stop", "raise", "fallback")
+_monitors = itertools.count()  # this process's monitors, in order
 
 
 class NonFiniteMonitor(keras.callbacks.Callback):
@@ -93,6 +99,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         action: one of `"warn"`, `"stop"`, `"raise"`, `"fallback"`.
         patience: consecutive skipped steps that make a run `stuck` (int >= 1).
         log_file: path of a JSON Lines file to append events to, or None.
+            In a multi-process run only process 0 writes it (on JAX with
+            a line per event for what each other process recorded).
         locate: replay offending batches to name the layer (bool).
 
     Example:
@@ -155,6 +163,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self._located = (None, None)  # the batch and scale last replayed
         self._next_step = 0  # steps counted over all `fit` calls
         self._log_failed = False
+        self._run_tag = next(_monitors)  # the same order on every process
+        self._written = 0
 
     # ------------------------------------------------------------ callbacks
 
@@ -368,10 +378,30 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self._state = after_scale_reset(self._state, value)
 
     def _write(self, event):
-        if self.log_file is None or self._log_failed:
+        if self.log_file is None:
+            return
+        # In a multi-process run every process sees the same skipped steps
+        # (the finite check is global) but replays only its own part of
+        # the batch: process 0 writes the event once, then a line with what
+        # each other process saw (JAX; elsewhere only process 0 writes).
+        index, count = process_index()
+        others = {}
+        if count > 1:
+            self._written += 1
+            tag = f"nonfinite/{self._run_tag}/{self._written}"
+            gathered = gather_on_first(tag, json.dumps(jsonable(event)))
+            if gathered is None:  # not process 0
+                return
+            others = {p: t for p, t in gathered.items() if p != 0}
+            event = {**event, "process": 0}
+        if self._log_failed:
             return
         try:
             append_jsonl(self.log_file, event)
+            for p, text in sorted(others.items()):
+                seen = (json.loads(text) if text is not None
+                        else {"message": "nothing received from it"})
+                append_jsonl(self.log_file, {**seen, "process": p})
         except OSError as e:
             # Losing the log must not lose the run: events stay in memory.
             self._log_failed = True

@@ -265,6 +265,46 @@ def _jax_exchange(text, timeout):
     return texts
 
 
+def gather_on_first(tag, text, timeout=60.0):
+    """Each JAX process's `text`, gathered on process 0 through the
+    coordination service's key-value store (no collective, so it never
+    pairs with another collective, and only process 0 waits).
+
+    Process 0 returns `{process_index: text or None}` (None: that process
+    did not publish `tag` within `timeout` seconds); every other process
+    publishes its `text` and returns None at once. Outside a multi-process
+    JAX run: `{0: text}`. Every process must call it with the same `tag`
+    (once per tag).
+
+    Args:
+        tag: str, the same on every process, unique to this exchange.
+        text: str, this process's part.
+        timeout: seconds process 0 waits for each other process.
+    """
+    if keras.backend.backend() != "jax":
+        return {0: text}
+    import jax
+
+    if jax.process_count() < 2:
+        return {0: text}
+    client = _ki.jax_coordination_client()
+    me, count = jax.process_index(), jax.process_count()
+    key = f"kerasmp/gather/{tag}"
+    if me != 0:
+        client.key_value_set(f"{key}/{me}", text)
+        return None
+    texts = {0: text}
+    for other in range(1, count):
+        try:
+            texts[other] = client.blocking_key_value_get(
+                f"{key}/{other}", int(timeout * 1000))
+        except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            texts[other] = None
+    return texts
+
+
 def check_workers_agree(model, optimizer=None, strategy=None, plan=None,
                         loss_scale=..., timeout=DEFAULT_TIMEOUT):
     """Raises on every worker if the workers' precision settings differ.
