@@ -1,19 +1,25 @@
 """Multi-process JAX `fit` with kerasmp: two JAX processes on 127.0.0.1
 (`jax.distributed.initialize`, gloo CPU collectives, one CPU device each)
-train under `keras.distribution.DataParallel` with kerasmp's
-`mixed_float16` policy, its `LossScaleOptimizer`, a `LossScaleMonitor` and a
-`NonFiniteMonitor` writing a log file (the same path on both processes, as
-on a shared file system). Each process feeds its half of every global
-batch; one element of process 1's half of step `OVERFLOW_STEP` is inf.
+train with kerasmp's `mixed_float16` policy, its `LossScaleOptimizer`, a
+`LossScaleMonitor` and a `NonFiniteMonitor` writing a log file (the same
+path on both processes, as on a shared file system), under
+
+- `keras.distribution.DataParallel`: each process feeds its half of every
+  global batch; one element of process 1's half of step `OVERFLOW_STEP`
+  is inf;
+- `keras.distribution.ModelParallel` with a `LayoutMap` that splits both
+  kernels across the two processes (a 1 x 2 mesh, "model" axis): each
+  process feeds the whole global batch, with the same inf.
 
 The reference is not the code's own output: one process, without any
 distribution, fits the same model (the two-process run's initial weights)
 on the same global batches (both halves, in the order `DataParallel`
 concatenates them), with the same inf. Checked:
 
-- the weights after `fit` equal the reference's within float16 reduction
-  noise: the two runs sum the float16 gradient contributions in another
-  order (per process, then across processes), a few float16 roundings
+- the weights after `fit` (gathered from both processes) equal the
+  reference's within float16 reduction noise: the two runs sum the float16
+  gradient contributions in another order (per process, then across
+  processes, or split matrix products), a few float16 roundings
   (relative 2**-11 each) per step, so the bound is stated on what training
   moved: |w_2proc - w_ref| <= 2**-8 * max|w_ref - w_init| per variable;
 - the step inf hit is skipped on both processes (and by the reference),
@@ -64,19 +70,40 @@ WORKER = textwrap.dedent(
     from kerasmp.callbacks import LossScaleMonitor, NonFiniteMonitor
 
     B, STEPS, K = {LOCAL_BATCH}, {STEPS}, {OVERFLOW_STEP}
-    if index >= 0:
+    if index >= 0 and parallel == "data":
         keras.distribution.set_distribution(
             keras.distribution.DataParallel(auto_shard_dataset=False))
+    elif index >= 0:  # kernels split across the two processes' devices
+        mesh = keras.distribution.DeviceMesh(
+            (1, 2), ["batch", "model"], devices=jax.devices())
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*hidden/kernel"] = (None, "model")
+        layout_map[".*head/kernel"] = ("model", None)
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch",
+            auto_shard_dataset=False))
     keras.utils.set_random_seed(0)
+
+    def values(variables):  # every process calls it (a collective)
+        if index < 0:
+            return [keras.ops.convert_to_numpy(v) for v in variables]
+        from jax.experimental import multihost_utils
+        return [np.asarray(multihost_utils.process_allgather(
+            v.value, tiled=True)) for v in variables]
+
     kerasmp.set_global_policy(kerasmp.Policy("mixed_float16"))
     model = keras.Sequential([
         keras.Input((16,)),
         keras.layers.Dense(32, activation="relu", name="hidden"),
         keras.layers.Dense(1, name="head"),
     ])
+    if index >= 0 and parallel == "model":  # the kernels are split
+        for layer in model.layers:
+            sharding = layer.kernel.value.sharding
+            assert not sharding.is_fully_replicated, (layer.name, sharding)
+    initial = values(model.weights)
     if index == 0:
-        np.savez(os.path.join(out, "initial.npz"),
-                 *[keras.ops.convert_to_numpy(v) for v in model.weights])
+        np.savez(os.path.join(out, "initial.npz"), *initial)
     if index < 0:  # the reference starts from the two-process run's weights
         init = np.load(os.path.join(out, "initial.npz"))
         for i, v in enumerate(model.weights):
@@ -90,21 +117,22 @@ WORKER = textwrap.dedent(
     rng = np.random.default_rng(0)
     parts = rng.normal(size=(2, STEPS * B, 16)).astype("float32")
     parts[1, K * B + 2, 5] = np.inf  # process 1's half of step K
-    if index >= 0:
+    if index >= 0 and parallel == "data":
         x = parts[index]
-    else:  # global batch s = process 0's half, then process 1's
+    else:  # global batch s = process 0's half, then process 1's (each
+        # process of the ModelParallel run feeds the whole global batch)
         x = np.concatenate([parts[:, s * B:(s + 1) * B]
                             .reshape(2 * B, 16) for s in range(STEPS)])
     y = np.where(np.isfinite(x[:, :1]), x[:, :1], 0.0) * 0.5
     scale_monitor = LossScaleMonitor()
     events = os.path.join(out, "events.jsonl" if index >= 0 else "ref.jsonl")
     nan_monitor = NonFiniteMonitor(action="warn", log_file=events)
-    model.fit(x, y, batch_size=B if index >= 0 else 2 * B, epochs=1,
+    local = B if index >= 0 and parallel == "data" else 2 * B
+    model.fit(x, y, batch_size=local, epochs=1,
               shuffle=False, verbose=0,
               callbacks=[scale_monitor, nan_monitor])
     print("RESULT " + json.dumps({{
-        "weights": [keras.ops.convert_to_numpy(v).tolist()
-                    for v in model.trainable_weights],
+        "weights": [w.tolist() for w in values(model.trainable_weights)],
         "trace": scale_monitor.trace,
         "events": [[e["step"], e["kind"]] for e in nan_monitor.events],
     }}))
@@ -112,10 +140,14 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_data_parallel_fit_matches_one_process_and_agrees(tmp_path):
+@pytest.mark.parametrize("parallel", ["data", "model"])
+def test_multi_process_fit_matches_one_process_and_agrees(tmp_path,
+                                                           parallel):
     # run_workers writes the script to tmp_path/worker.py; the reference
     # runs it again as "process -1".
-    source = WORKER.replace("out = sys.argv[3]", f"out = {str(tmp_path)!r}")
+    source = WORKER.replace(
+        "out = sys.argv[3]",
+        f"out, parallel = {str(tmp_path)!r}, {parallel!r}")
     w0, w1 = run_workers(tmp_path, source, "jax", timeout=300)
     ref = subprocess.run(
         [sys.executable, str(tmp_path / "worker.py"), "-1", "0"],
