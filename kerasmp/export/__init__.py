@@ -21,6 +21,7 @@ modules when called, and the names that need Keras are imported on first
 use.
 """
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -120,6 +121,10 @@ class ExportReport:
         output_dtypes: dtypes the artifact returns, read back from it.
         num_samples: How many inputs the parity was measured on.
         inputs: Where they came from (`"sample"` or the default draws).
+        tuned_float32: With `keep_float32="tune"`, the paths of the layers
+            `kerasmp.tune` keeps in float32 (in `kept_float32` with the
+            reason `"kept by kerasmp.tune"`, their sublayers `"inside
+            ..."`); else `()`.
 
     Example:
 
@@ -147,6 +152,7 @@ class ExportReport:
     num_samples: int = 0
     inputs: str = "sample"
     left_at_default: dict = dataclasses.field(default_factory=dict)
+    tuned_float32: tuple = ()
 
     @property
     def left_at_default_bytes(self):
@@ -178,7 +184,8 @@ class ExportReport:
         d = dataclasses.asdict(self)
         d["size_ratio"] = self.size_ratio
         d["left_at_default_bytes"] = self.left_at_default_bytes
-        for key in ("rel_diffs", "input_dtypes", "output_dtypes"):
+        for key in ("rel_diffs", "input_dtypes", "output_dtypes",
+                    "tuned_float32"):
             d[key] = list(d[key])
         for key in ("max_abs_diff", "rel_diff"):
             if not math.isfinite(d[key]):
@@ -263,7 +270,7 @@ class ParityError(Exception):
     ...     print(e.report.rel_diff)
     """
 
-    def __init__(self, report, max_rel_diff, max_diff=None):
+    def __init__(self, report, max_rel_diff, max_diff=None, note=""):
         self.report = report
         self.max_rel_diff = max_rel_diff
         self.max_diff = max_diff
@@ -276,7 +283,7 @@ class ParityError(Exception):
                else "")
             + f" on {report.num_samples} inputs ({report.inputs}); nothing "
             f"was written at {report.path!r}. If these inputs are not what "
-            f"the model sees, {_SAMPLE_HINT}."
+            f"the model sees, {_SAMPLE_HINT}.{note}"
         )
 
 
@@ -385,6 +392,11 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
             `Rescaling`/`Normalization` layer's range, else uniform [0, 1)).
         keep_float32: As for `to_float16`; a name pattern that matches no
             layer raises a ValueError listing the layers, before any work.
+            Or `"tune"`: the model's rules plus the fewest layers that make
+            the artifact pass the parity gate (`max_rel_diff`, default
+            the dtype's), found by `kerasmp.tune` on the parity inputs
+            (`report.tuned_float32`); turns the gate on, and needs a model
+            a kerasmp policy of `dtype` governs.
         overwrite: Whether to replace an existing `path` (atomically).
         max_rel_diff: The gate on `rel_diff` (max |diff| / output range);
             None: the dtype's `DEFAULT_MAX_REL_DIFF` when `gate=True`.
@@ -420,6 +432,7 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     """
     import keras
 
+    from kerasmp.export import tuned
     from kerasmp.export.arguments import check_model
     from kerasmp.export.arguments import keep_rules
     from kerasmp.export.half import convert
@@ -443,20 +456,27 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
     if not isinstance(verbose, bool):
         raise TypeError(f"`verbose` must be True or False. Received: "
                         f"{verbose!r}")
-    gate = gate or max_rel_diff is not None or max_diff is not None
+    tuning = tuned.is_tune(keep_float32)
+    gate = gate or tuning or max_rel_diff is not None or max_diff is not None
     if gate and max_rel_diff is None:
         max_rel_diff = DEFAULT_MAX_REL_DIFF[dtype]
     check_model(model)
     # As its first call would: the layers that fail in half precision move
     # to float32 before any copy is made (a model built, never called).
     measure_once(model)
+    if tuning:  # the model's rules, and what tune finds on the inputs
+        tuned.check(model, dtype, max_rel_diff)
+        keep_float32 = None
     keep_rules(model, keep_float32)  # a pattern that matches nothing raises
     fmt = REGISTRY[format]
     source = fmt.source_on(keras.backend.backend())
 
-    with collected():
+    with collected(), contextlib.ExitStack() as stack:
         specs, arrays, origin = parity_inputs(model, sample,
                                               DEFAULT_NUM_SAMPLES)
+        # The layers tune keeps are float32 while the copy is made.
+        tune_report = stack.enter_context(tuned.kept_by_tune(
+            model, arrays, max_rel_diff, tuning))
         model32, _ = convert(model, "float32")
         reference = predict(model32, arrays)
         with converters(verbose):  # Keras's serializer may import TF
@@ -480,12 +500,14 @@ def export(model, path, format="savedmodel", dtype="float16", sample=None,
                 kept_float32=kept, input_dtypes=tuple(ins),
                 output_dtypes=tuple(outd),
                 num_samples=int(arrays[0].shape[0]), inputs=origin,
-                left_at_default=left,
+                left_at_default=left, tuned_float32=(
+                    tune_report.float32_layers if tune_report else ()),
             )
             if left:
                 _check_left(report, model, max_rel_diff, max_diff)
             if gate and not report.passed(max_rel_diff, max_diff):
-                raise ParityError(report, max_rel_diff, max_diff)
+                raise ParityError(report, max_rel_diff, max_diff,
+                                  tuned.note(tune_report))
             stage.publish(staged, overwrite)
     return report
 

@@ -47,15 +47,23 @@ def keep_rules(model, keep_float32):
             if isinstance(stored, _policy.Policy):
                 return tuple(stored.float32_layers)
         return tuple(_policy.DEFAULT_FLOAT32_LAYERS)
+    if isinstance(keep_float32, str) and keep_float32 == "tune":
+        raise ValueError(
+            "Invalid `keep_float32`: 'tune' is for kerasmp.export.export "
+            "(the layers that pass its parity gate, measured on its "
+            "inputs). Allowed values here: None (the model's rules), or a "
+            "sequence of keras.layers.Layer subclasses and/or name "
+            "patterns.")
     if isinstance(keep_float32, (str, type, re.Pattern)):
         keep_float32 = [keep_float32]
     try:
         entries = list(keep_float32)
     except TypeError:
         raise TypeError(
-            "`keep_float32` must be None or a sequence of keras.layers.Layer "
+            "`keep_float32` must be None, a sequence of keras.layers.Layer "
             "subclasses and/or regular expressions matched against layer "
-            f"names. Received: {keep_float32!r}"
+            "names, or (for export) 'tune'. Received: "
+            f"{keep_float32!r}"
         ) from None
     rules = tuple(
         _policy.parse_rule(entry, argname="keep_float32") for entry in entries
@@ -84,5 +92,6 @@ def _check_patterns_match(model, rules):
             f"Invalid `keep_float32`: the pattern {rule.pattern!r} matches "
             f"no layer of {model.name!r} (a pattern must match a whole "
             f"layer name, case included; its layers, nearest first: "
-            f"{listed}){class_hint(rule, layers)}."
+            f"{listed}){class_hint(rule, layers)}. Allowed values: None, "
+            "layer classes and/or name patterns, or (for export) 'tune'."
         )

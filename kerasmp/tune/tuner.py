@@ -6,9 +6,9 @@ How: the float32 reference (every layer in float32, same weights), then
 `kerasmp.Policy` governs, each candidate set measured by one eager forward
 pass with those layers' policies swapped (`kerasmp.tune.apply`: no
 rebuild, no training). The error of a set is the parity figure of the
-census (max |diff| / range of the float32 output,
-`kerasmp.export.parity.parity`) or, in the metric mode, the metric's drop
-against float32 on labelled data.
+census and of `kerasmp.export`'s report (max |diff| / range of the
+float32 output, `kerasmp._utils.parity.parity`) or, in the metric mode,
+the metric's drop against float32 on labelled data.
 """
 
 import time
@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 from kerasmp._utils.instrument import running_layers
-from kerasmp.export.parity import parity
+from kerasmp._utils.parity import parity
 from kerasmp.policy.measure import measure_once
 from kerasmp.policy.plan import plan
 from kerasmp.tune.apply import HALF

@@ -60,7 +60,9 @@ def add_arguments(parser):
         "--keep-float32", action="append", default=None, metavar="REGEX",
         type=regex,
         help="keep layers whose name matches in float32 (repeatable; "
-        "replaces the default softmax/normalization rules)")
+        "replaces the default softmax/normalization rules); or 'tune': "
+        "the model's rules plus the fewest layers that pass the parity "
+        "gate, found by kerasmp tune on the parity inputs")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing OUT")
     parser.add_argument("--json", action="store_true",
@@ -83,7 +85,19 @@ def _keras_backend():
         return "tensorflow"
 
 
+def _keep_float32(patterns):
+    """`--keep-float32` as `export` takes it: the patterns, or "tune"
+    alone."""
+    if patterns and "tune" in patterns:
+        if len(patterns) > 1:
+            raise UsageError("--keep-float32 tune picks the layers itself: "
+                             "give it alone, without name patterns")
+        return "tune"
+    return patterns
+
+
 def run(args):
+    keep_float32 = _keep_float32(args.keep_float32)
     try:
         check_target(args.out, args.format, args.overwrite, args.dtype,
                      backend=_keras_backend(), io_dtype=args.io_dtype,
@@ -101,7 +115,7 @@ def run(args):
     try:
         report = export(
             model, args.out, format=args.format, dtype=args.dtype,
-            sample=sample, keep_float32=args.keep_float32,
+            sample=sample, keep_float32=keep_float32,
             overwrite=args.overwrite, max_rel_diff=args.max_rel_diff,
             max_diff=args.max_diff, io_dtype=args.io_dtype, gate=True,
             verbose=bool(args.verbose))
