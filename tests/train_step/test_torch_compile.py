@@ -169,7 +169,8 @@ def _graphs(library, policy):
 
 
 # kerasmp's own step work, around Keras's step in the compiled top frame:
-# the copies its record compares with (before) and the record (after).
+# the copies its record compares with (`torch.clone`, before) and the
+# record's `any` (after), found from the graphs' source lines.
 _OWN_GRAPHS = 2
 
 
@@ -177,9 +178,9 @@ _OWN_GRAPHS = 2
 def test_jit_step_adds_no_graph_break_over_stock():
     """kerasmp's train step is compiled as deep as stock Keras's: on the
     same model under float32, no graph break more than stock Keras, and no
-    graph more than stock's plus kerasmp's own two (before: 21 breaks and
-    15 graphs against stock's 18 and 13; each wrapper frame around Keras's
-    step was one more break, graph and resume frame, run at every step)."""
+    graph more than stock's plus kerasmp's own two (before: 21 breaks
+    against stock's 18; each wrapper frame around Keras's step was one more
+    break, frame and resume frame, entered at every step)."""
     stock = _graphs("stock", "float32")
     ours = _graphs("kerasmp", "float32")
     assert ours["graph_breaks"] <= stock["graph_breaks"], (ours, stock)
