@@ -9,6 +9,15 @@ it adds `loss_scale` / `skipped_steps` and makes one record, as on the other
 backends. Keras refuses `steps_per_execution > 1` on PyTorch; kerasmp's
 train function runs Keras's single-step function once per batch of the
 execution instead, keeping every step's record.
+
+Under `jit_compile=True` the function `torch.compile` compiles is
+`TorchSteps.train_step` itself, calling Keras's step directly: the compiled
+frames nest as deep as stock Keras's (its `one_step_on_data`, then
+`Trainer.train_step`). Where the forward pass graph-breaks (Keras's
+attention, `loss.backward()`), Dynamo splits every enclosing frame at the
+call and compiles what follows as a frame of its own; each wrapper level
+kerasmp added (Keras's `one_step_on_data`, a closure, a step getter) was one
+more graph, resume frame and set of guards per break, per step.
 """
 
 from keras import ops
@@ -27,6 +36,16 @@ def _value(variable):
     return variable.value
 
 
+def _first_of(function):
+    """Keras's one-step function (which takes `[batch]`) called with the
+    batch."""
+
+    def step(batch):
+        return function([batch])
+
+    return step
+
+
 class TorchSteps(HostLoopSteps):
     """kerasmp's train step of one model on PyTorch."""
 
@@ -38,7 +57,10 @@ class TorchSteps(HostLoopSteps):
             list(model.non_trainable_variables) if scaled else []
         ) + watched
         before = [ops.copy(v.value) for v in guarded]
-        logs = self.keras_step()(data)
+        if self.original is not None:
+            logs = self.original(data)
+        else:
+            logs = self._class_step(model, data)
         if not isinstance(logs, dict):
             return logs
         logs = dict(logs)
@@ -62,7 +84,14 @@ class TorchSteps(HostLoopSteps):
     def _train_function(self):
         """Keras's function for one step, run once per batch of the
         execution by the host-side function."""
-        single = self.single_step_function()
+        if self.model.jit_compile:
+            # Keras's `one_step_on_data` (data[0], then `train_step`) is one
+            # more frame around the step; compile the step itself.
+            import torch
+
+            single = torch.compile(self.train_step)
+        else:
+            single = _first_of(self.single_step_function())
 
         def train_function(data):
             return self._run(single, data)
@@ -74,6 +103,6 @@ class TorchSteps(HostLoopSteps):
         records = []
         logs = None
         for batch in data:
-            logs = self.take_record(single([batch]), records)
+            logs = self.take_record(single(batch), records)
         self.finish(records)
         return logs
