@@ -163,6 +163,35 @@ def table(rows):
     return "\n".join(lines)
 
 
+def markdown(rows):
+    """The table as Markdown (for docs/fidelity.md)."""
+    out = ["| task | policy | seed | final loss | best loss | accuracy | "
+           "vs float32 | goal | skipped after warm-up | scale range | "
+           "growths | back-offs | time vs float32 |",
+           "|" + "---|" * 13]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['task']} | {r['policy']} | {r['seed']} | "
+                       f"error: {r['error'][:80]} |" + " |" * 9)
+            continue
+        vs = f"{r['diff_pct']:+.2f}%" if "diff_pct" in r else "-"
+        goal = ("-" if r["policy"] == "float32" or "within_goal" not in r
+                else ("yes" if r["within_goal"] else "**no**"))
+        if "scale_min" in r:
+            skip = (f"{r['skipped_after_warmup']} "
+                    f"({r['skipped_pct']:.2f}%)")
+            scale = f"{_log2(r['scale_min'])}-{_log2(r['scale_max'])}"
+            grow, back = r["growths"], r["backoffs"]
+        else:
+            skip = scale = grow = back = "-"
+        t = f"{r['time_ratio']:.2f}" if "time_ratio" in r else "-"
+        out.append(f"| {r['task']} | {r['policy']} | {r['seed']} | "
+                   f"{r['final']:.4f} | {r['best']:.4f} | {r['acc']:.3f} | "
+                   f"{vs} | {goal} | {skip} | {scale} | {grow} | {back} | "
+                   f"{t} |")
+    return "\n".join(out)
+
+
 def plots(records, folder, backend):
     """Loss curves by policy, the loss scale and skipped steps per 100."""
     from matplotlib.figure import Figure
@@ -208,7 +237,7 @@ def plots(records, folder, backend):
                 counts = [0] * n
                 for s in ls["skip_steps"]:
                     counts[min(s // 100, n - 1)] += 1
-                bx.plot([100 * (i + 1) for i in range(n)], counts,
+                bx.plot([100 * i for i in range(n)], counts,
                         drawstyle="steps-post", label=label)
             else:
                 xs = [(i + 1) * r["eval_every"]
@@ -244,6 +273,8 @@ def main(argv=None):
     p.add_argument("--runs-dir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--force", action="store_true")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print the table as Markdown")
     p.add_argument("--no-run", action="store_true",
                    help="tabulate the recorded runs only; list the others")
     a = p.parse_args(argv)
@@ -278,6 +309,8 @@ def main(argv=None):
                 records.append(r)
     rows = summarize(records)
     print(table(rows))
+    if a.markdown:
+        print(markdown(rows))
     if missing:
         print("not run:", "; ".join(missing))
     meta = next((r for r in records if r.get("task") == "lm"
