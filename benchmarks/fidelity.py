@@ -16,13 +16,13 @@ stock-Keras runs never import kerasmp):
   `kerasmp_mixed_bfloat16`, `kerasmp_float8` (`float8_mixed_bfloat16`).
 
 Per run: final and best evaluation loss and accuracy, the difference from
-float32's final loss (same seed) against the goal (the float32 seed spread
-or 1% of float32's loss, whichever is wider), the steps skipped after the
-warm-up, the loss scale's range, growths and back-offs, and the wall time
-against float32's (without the first evaluation interval, which holds the
-compilation). Each run's record is kept under `--runs-dir`; a run whose
-record is there is not run again (`--force` reruns), so an interrupted
-invocation resumes.
+float32's final loss (same seed) against the goal (not above it by more than
+the float32 seed spread or 1% of float32's loss, whichever is wider), the
+steps skipped after the warm-up, the loss scale's range, growths and back-
+offs, and the wall time against float32's (without the first evaluation
+interval, which holds the compilation). Each run's record is kept under
+`--runs-dir`; a run whose record is there is not run again (`--force`
+reruns), so an interrupted invocation resumes.
 
 Usage:
     KERAS_BACKEND=jax python benchmarks/fidelity.py [--steps N]
@@ -113,7 +113,9 @@ def summarize(records):
                 d = r["final_eval_loss"] - ref["final_eval_loss"]
                 row.update(
                     diff=d, diff_pct=100 * d / ref["final_eval_loss"],
-                    within_goal=abs(d) <= tol,
+                    # The goal is to reach float32's loss: a lower loss
+                    # meets it whatever its size.
+                    within_goal=d <= tol,
                     time_ratio=r["steady_seconds"] / ref["steady_seconds"])
             ls = r.get("loss_scale")
             if ls:
