@@ -25,8 +25,9 @@ function each long run calls. The model is smaller than the benchmark's
   PyTorch run (eager,
   float16 emulated on a CPU, several times slower than float32) short:
   82 s (JAX), 110 s (TensorFlow) and 162 s (PyTorch) for both runs on the
-  2-core machine at a load average of 12-13 (other jobs: about 6 runnable
-  processes per core); not measured on an idle machine.
+  2-core machine at a load average of 12-13 (other jobs); as the whole
+  test at a load average of 2-3: 12 s (JAX), 23 s (TensorFlow), 46 s
+  (PyTorch).
 """
 
 import sys
