@@ -39,7 +39,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -51,6 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from zoo.absent import BLOCK_KERASMP  # noqa: E402
+
+from kerasmp._utils.devices import cpu_name  # noqa: E402
 
 WORKER = textwrap.dedent(
     """
@@ -114,18 +115,6 @@ WORKER = textwrap.dedent(
     }))
     """
 )
-
-
-def cpu_model():
-    """The CPU's model name, as `lscpu` gives it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def free_port():
@@ -249,7 +238,7 @@ def main():
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"),
-        "machine": cpu_model(),
+        "machine": cpu_name(),
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "command": "python benchmarks/multiprocess_overhead.py "
