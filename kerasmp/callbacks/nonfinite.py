@@ -390,7 +390,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
             self._written += 1
             tag = f"nonfinite/{self._run_tag}/{self._written}"
             gathered = gather_on_first(tag, json.dumps(jsonable(event)))
-            if gathered is None:  # not process 0
+            if index != 0:
                 return
             others = {p: t for p, t in gathered.items() if p != 0}
             event = {**event, "process": 0}

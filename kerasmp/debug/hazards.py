@@ -417,7 +417,7 @@ def _parity(model, x, target):
     fires, and that `kerasmp tune` locates."""
     if x is None or target is None:
         return []
-    from kerasmp.export.parity import parity
+    from kerasmp._utils.parity import parity
     from kerasmp.tune.apply import as_float32
     from kerasmp.tune.apply import forward
 

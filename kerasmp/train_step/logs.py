@@ -11,6 +11,8 @@ with the step itself, the undo of a skipped step and the train function;
 of an execution in Python, share.
 """
 
+import functools
+
 import keras
 from keras import ops
 
@@ -143,13 +145,14 @@ class Steps:
         return model.train_function
 
     def keras_step(self):
-        """The step kerasmp wraps: the user's override, else Keras's."""
+        """The step kerasmp wraps: the user's override, else Keras's, bound
+        to the model; called with (data), or (state, data) on JAX. A
+        `functools.partial`, not a method of ours: under `torch.compile` a
+        Python frame around the step would be one more compiled frame,
+        resume and set of guards at each graph break, every step."""
         if self.original is not None:
             return self.original
-        return self._keras_step
-
-    def _keras_step(self, *args):  # (data), or (state, data) on JAX
-        return self._class_step(self.model, *args)
+        return functools.partial(self._class_step, self.model)
 
     def count_index(self, watched):
         """Where the loss tracker's count is in `watched`, or None."""

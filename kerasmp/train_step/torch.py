@@ -57,10 +57,7 @@ class TorchSteps(HostLoopSteps):
             list(model.non_trainable_variables) if scaled else []
         ) + watched
         before = [ops.copy(v.value) for v in guarded]
-        if self.original is not None:
-            logs = self.original(data)
-        else:
-            logs = self._class_step(model, data)
+        logs = self.keras_step()(data)
         if not isinstance(logs, dict):
             return logs
         logs = dict(logs)
