@@ -87,6 +87,7 @@ from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan as build_plan
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
+from kerasmp.policy.rules import activation_name
 from kerasmp.policy.workers import check_workers_agree
 from kerasmp.policy.workers import describe_loss_scale
 from kerasmp.policy.workers import loss_scale_settings
@@ -96,22 +97,48 @@ _originals = {}  # what install() replaced, for uninstall()
 # ------------------------------------------------------------ 1. resolution
 
 
+_RESOLVED = "_kerasmp_resolved_dtype_policy"
+"""The instance `__dict__` key of a layer's resolved policy: `(stored policy,
+activation name, resolved policy)`."""
+
+
 class _ResolvedDTypePolicy:
     """Data descriptor installed on `keras.layers.Layer` under
-    `_keras_internals.DTYPE_POLICY_ATTR`."""
+    `_keras_internals.DTYPE_POLICY_ATTR`.
+
+    A layer's resolved policy is kept in its `__dict__` once the stored
+    policy's answer is final (`Policy.resolve`), and used while the same
+    policy object is stored and the layer's activation is the same. The
+    read then depends on nothing that tells two layers of a class apart
+    (not their names or paths), so under `torch.compile` a Keras frame
+    compiled for one layer is not rejected for another by a guard in
+    kerasmp: every Keras dtype read goes through here, inside Keras's own
+    per-layer frames.
+    """
 
     def __get__(self, layer, owner=None):
         if layer is None:
             return self
+        state = layer.__dict__
         try:
-            stored = layer.__dict__[_ki.DTYPE_POLICY_ATTR]
+            stored = state[_ki.DTYPE_POLICY_ATTR]
         except KeyError:
             raise AttributeError(_ki.DTYPE_POLICY_ATTR) from None
+        if not isinstance(stored, (Policy, Float32Override)):
+            return stored
+        activation = activation_name(layer)
+        kept = state.get(_RESOLVED)
+        if kept is not None and kept[0] is stored and kept[1] == activation:
+            return kept[2]
         if isinstance(stored, Policy):
-            return stored.policy_for(layer)
-        if isinstance(stored, Float32Override) and stored.kept_half(layer):
-            return stored.policy  # a moved layer's sublayer, reloaded
-        return stored
+            resolved, final = stored.resolve(layer)
+        elif stored.kept_half(layer):
+            resolved, final = stored.policy, True  # a moved layer's sublayer
+        else:
+            resolved, final = stored, True
+        if final:
+            state[_RESOLVED] = (stored, activation, resolved)
+        return resolved
 
     def __set__(self, layer, value):
         layer.__dict__[_ki.DTYPE_POLICY_ATTR] = value

@@ -299,16 +299,21 @@ class Policy(keras.DTypePolicy):
             `"user rule (name~'head.*')"`, `"user rule (MyBlock)"` or
             `"user rule (predicate is_norm)"`; or None.
         """
+        return self._rule(layer)[0]
+
+    def _rule(self, layer):
+        """(rule description or None, final): final is False while a rule
+        cannot judge `layer` yet (its `__init__` is running)."""
         activation = activation_name(layer)
         key = (type(layer), layer.name, activation)
         try:
-            return self._decisions[key]
+            return self._decisions[key], True
         except KeyError:
             pass
         decision, final = self._match(layer, activation)
         if final:
             self._decisions[key] = decision
-        return decision
+        return decision, final
 
     def _matches(self, rule, layer, activation):
         """(detail or None, final): final is False while a rule cannot
@@ -364,15 +369,30 @@ class Policy(keras.DTypePolicy):
             this policy does not already compute in float32 or float64, else
             this policy.
         """
+        return self.resolve(layer)[0]
+
+    def resolve(self, layer):
+        """`policy_for(layer)`, and whether that answer is final.
+
+        Args:
+            layer: A `keras.layers.Layer` whose stored policy is this one.
+
+        Returns:
+            `(policy, final)`: `policy` as `policy_for` returns it; `final`
+            is False while a rule cannot judge the layer yet (its
+            `__init__` is running), so that the answer may still change.
+            A final answer holds for the layer's lifetime under this policy
+            object (a policy never changes; `with_measured` makes a new
+            one), so callers may keep it.
+        """
         if self.compute_dtype in ("float32", "float64"):
-            return self
+            return self, True
         entry = self.measured_entry(getattr(layer, "path", None))
         if entry is not None:
-            return self if "half" in entry else self._override(entry["rule"])
-        rule = self.float32_rule(layer)
-        if rule is None:
-            return self
-        return self._override(rule)
+            kept = self if "half" in entry else self._override(entry["rule"])
+            return kept, True
+        rule, final = self._rule(layer)
+        return (self if rule is None else self._override(rule)), final
 
     def _override(self, rule):
         if rule not in self._overrides:

@@ -114,6 +114,47 @@ def test_jit_fit_recompiles_nothing_of_kerasmp(mixed_policy, monkeypatch):
     )
 
 
+def _compiled_dtype_reads(layers):
+    """The recompile records of one compiled function that reads each of
+    `layers`' compute dtype in turn, as Keras's per-layer `forward` frame
+    does (`Layer.__call__` reads it through `quantization_mode`)."""
+
+    def read(layer, x):
+        return x.to(getattr(torch, layer.compute_dtype)) * 2
+
+    compiled = torch.compile(read, backend="eager")
+    torch._dynamo.reset()
+    handler = _Recompiles()
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    try:
+        for layer in layers:
+            compiled(layer, torch.ones(2))
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    return handler.records
+
+
+def test_two_layers_of_a_class_share_a_compiled_dtype_read(mixed_policy):
+    # Under stock Keras a frame compiled for one LayerNormalization serves
+    # every other one called the same way: their dtype reads return the
+    # same policy object. kerasmp's resolution must not tell them apart
+    # either (it once read the layer's name there, and Dynamo guarded on
+    # it: one recompile per layer, each record naming a kerasmp file).
+    norms = [keras.layers.LayerNormalization(name=f"norm_{i}")
+             for i in range(3)]
+    denses = [keras.layers.Dense(2, activation="gelu") for _ in range(3)]
+    for layer in norms + denses:
+        layer.build((2, 2))
+    assert {n.compute_dtype for n in norms} == {"float32"}
+    assert {d.compute_dtype for d in denses} == {"float16"}
+    assert _compiled_dtype_reads(norms) == []
+    assert _compiled_dtype_reads(denses) == []
+
+
 _GRAPHS_CHILD = r"""
 import json, os, sys
 import numpy as np
