@@ -381,9 +381,10 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         if self.log_file is None:
             return
         # In a multi-process run every process sees the same skipped steps
-        # (the finite check is global) but replays only its own part of
-        # the batch: process 0 writes the event once, then a line with what
-        # each other process saw (JAX; elsewhere only process 0 writes).
+        # (the finite check is global) and replays the step's batch (on
+        # JAX the global batch, elsewhere its own part): process 0 writes
+        # the event once, then a line with what each other process saw
+        # (JAX; elsewhere only process 0 writes).
         index, count = process_index()
         others = {}
         if count > 1:

@@ -14,6 +14,7 @@ import keras
 from keras import ops
 
 from kerasmp import _keras_internals as _ki
+from kerasmp._utils.arrays import gathered_to_numpy
 from kerasmp._utils.arrays import to_numpy
 
 
@@ -54,7 +55,7 @@ def dense(g):
         import tensorflow as tf
 
         g = tf.convert_to_tensor(g)
-    return to_numpy(g)
+    return gathered_to_numpy(g)
 
 
 def snapshot(variables):
@@ -199,4 +200,4 @@ def gradients(model, x, y, sample_weight, loss, scale, training):
             "`y`."
         )
     value, grads = fn(model, x, y, sample_weight, loss, scale, training)
-    return float(to_numpy(value)), grads
+    return float(gathered_to_numpy(value)), grads

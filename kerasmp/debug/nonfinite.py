@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from kerasmp._utils.arrays import FLOAT16_MAX
+from kerasmp._utils.arrays import gathered_to_numpy
 from kerasmp._utils.arrays import to_numpy
 from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
@@ -268,7 +269,7 @@ def _float_arrays(structure):
         if not concrete(t):
             traced = True
             continue
-        arrays.append((dtype, to_numpy(t)))
+        arrays.append((dtype, gathered_to_numpy(t)))
     return arrays, traced
 
 
@@ -462,7 +463,7 @@ def _inputs_out_of_range(model, x):
         dtype = keras.backend.standardize_dtype(value.dtype)
         if _float_max(dtype) is None:
             continue
-        a = to_numpy(value).astype(np.float64)
+        a = gathered_to_numpy(value).astype(np.float64)
         if not a.size:
             continue
         # inf counts (beyond the range); NaN compares False.

@@ -26,7 +26,9 @@ concatenates them), with the same inf. Checked:
   and the loss scale and `skipped_steps` of every step agree on both;
 - the `NonFiniteMonitor`'s log file holds each event once, written by
   process 0, followed by a line with what process 1 saw (the same events
-  as the reference's).
+  as the reference's, each naming the reference's first non-finite layer:
+  the replay of a step's global batch gathers the parts held by the other
+  process).
 
 Killed in bounded time (`run_workers`' timeout): a hang fails the test.
 """
@@ -190,8 +192,10 @@ def test_multi_process_fit_matches_one_process_and_agrees(tmp_path,
             assert (event["step"], event["kind"]) == (
                 expected["step"], expected["kind"])
             assert event["loss_scale"] == expected["loss_scale"]
-    # Where the inf was: the reference names the layer. (In the
-    # two-process run the replay of the step's batch does not name one yet;
-    # see docs/scaling_out.md.)
+            # Where the inf was: every process replays the global batch
+            # (its split parts gathered) and names the reference's layer.
+            assert "locate_error" not in event, event["locate_error"]
+            for key in "layer", "variable", "all_gradients_nonfinite":
+                assert event.get(key) == expected.get(key), key
     overflow = [e for e in ref_logged if e["step"] == OVERFLOW_STEP][0]
     assert overflow["layer"] == "hidden"
