@@ -69,21 +69,19 @@ def script_result(stdout, stderr, returncode):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def run_workers(tmp_path, source, backend, timeout):
-    """Runs `source` as two processes (argv: index, comma-separated ports)
-    and returns each one's result."""
-    script = tmp_path / "worker.py"
-    script.write_text(source)
-    ports = ",".join(map(str, free_ports(2)))
+def run_scripts(script, argvs, backend, timeout):
+    """Runs `script` once per argument list in `argvs`, all at once, each in
+    a fresh process (killed after `timeout` seconds, so a hang fails in
+    bounded time); returns each one's result (`script_result`)."""
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(i), ports],
+            [sys.executable, str(script), *map(str, argv)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=subprocess_env(backend),
         )
-        for i in range(2)
+        for argv in argvs
     ]
     results = []
     try:
@@ -95,6 +93,45 @@ def run_workers(tmp_path, source, backend, timeout):
             if proc.poll() is None:
                 proc.kill()
     return results
+
+
+def run_workers(tmp_path, source, backend, timeout):
+    """Runs `source` as two processes (argv: index, comma-separated ports)
+    and returns each one's result."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    ports = ",".join(map(str, free_ports(2)))
+    return run_scripts(script, [[i, ports] for i in range(2)], backend,
+                       timeout)
+
+
+def assert_same_training_state(a, b):
+    """Two recorded training states (`scale`, `skipped`, `iterations`,
+    `weights`, `optimizer` variables by path) are exactly equal."""
+    assert a["scale"] == b["scale"] and a["skipped"] == b["skipped"]
+    assert a["iterations"] == b["iterations"]
+    assert len(a["weights"]) == len(b["weights"])
+    for u, v in zip(a["weights"], b["weights"]):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    assert sorted(a["optimizer"]) == sorted(b["optimizer"])
+    for path in a["optimizer"]:
+        np.testing.assert_array_equal(np.asarray(a["optimizer"][path]),
+                                      np.asarray(b["optimizer"][path]),
+                                      err_msg=path)
+
+
+def assert_close_next_steps(got, ref, saved):
+    """`got` and `ref` continued from the same `saved` state: the same
+    scale, skipped count and iterations, and weights within 2**-8 of the
+    largest weight change of `ref` since `saved` (which must be nonzero)."""
+    assert got["scale"] == ref["scale"] and got["skipped"] == ref["skipped"]
+    assert got["iterations"] == ref["iterations"]
+    moved = max(np.max(np.abs(np.asarray(r) - np.asarray(s)))
+                for r, s in zip(ref["weights"], saved["weights"]))
+    assert moved > 0
+    for i, (u, r) in enumerate(zip(got["weights"], ref["weights"])):
+        diff = np.max(np.abs(np.asarray(u) - np.asarray(r)))
+        assert diff <= 2.0**-8 * moved, (i, diff, moved)
 
 
 def slow_on(*backends):

@@ -27,8 +27,9 @@ import sys
 import textwrap
 
 import keras
-import numpy as np
 import pytest
+from _helpers import assert_close_next_steps
+from _helpers import assert_same_training_state
 from _helpers import run_workers
 from _helpers import script_result
 from _helpers import subprocess_env
@@ -140,46 +141,23 @@ def _run(tmp_path, mode, processes):
     return [script_result(done.stdout, done.stderr, done.returncode)]
 
 
-def _assert_same_state(a, b):
-    assert a["scale"] == b["scale"] and a["skipped"] == b["skipped"]
-    assert a["iterations"] == b["iterations"]
-    for u, v in zip(a["weights"], b["weights"]):
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-    assert sorted(a["optimizer"]) == sorted(b["optimizer"])
-    for path in a["optimizer"]:
-        np.testing.assert_array_equal(np.asarray(a["optimizer"][path]),
-                                      np.asarray(b["optimizer"][path]),
-                                      err_msg=path)
-
-
-def _assert_close_steps(got, ref, saved):
-    assert got["scale"] == ref["scale"] and got["skipped"] == ref["skipped"]
-    assert got["iterations"] == ref["iterations"]
-    moved = max(np.max(np.abs(np.asarray(r) - np.asarray(s)))
-                for r, s in zip(ref["weights"], saved["weights"]))
-    assert moved > 0
-    for i, (u, r) in enumerate(zip(got["weights"], ref["weights"])):
-        diff = np.max(np.abs(np.asarray(u) - np.asarray(r)))
-        assert diff <= 2.0**-8 * moved, (i, diff, moved)
-
-
 def test_checkpoints_resume_across_process_counts(tmp_path):
     # The writers: two processes (writes two.keras), then one (one.keras).
     two = _run(tmp_path, "write", 2)
     one = _run(tmp_path, "write", 1)[0]
-    _assert_same_state(two[0]["saved"], two[1]["saved"])
-    _assert_same_state(two[0]["final"], two[1]["final"])
+    assert_same_training_state(two[0]["saved"], two[1]["saved"])
+    assert_same_training_state(two[0]["final"], two[1]["final"])
     for run in two[0], one:  # the inf skipped one step before the save
         assert run["saved"]["skipped"] == 1
 
     # Two processes' checkpoint, resumed in one.
     resumed = _run(tmp_path, "resume", 1)[0]
-    _assert_same_state(resumed["saved"], two[0]["saved"])
-    _assert_close_steps(resumed["final"], two[0]["final"],
+    assert_same_training_state(resumed["saved"], two[0]["saved"])
+    assert_close_next_steps(resumed["final"], two[0]["final"],
                         two[0]["saved"])
 
     # One process's checkpoint, resumed in two.
     back = _run(tmp_path, "resume", 2)
-    _assert_same_state(back[0]["final"], back[1]["final"])
-    _assert_same_state(back[0]["saved"], one["saved"])
-    _assert_close_steps(back[0]["final"], one["final"], one["saved"])
+    assert_same_training_state(back[0]["final"], back[1]["final"])
+    assert_same_training_state(back[0]["saved"], one["saved"])
+    assert_close_next_steps(back[0]["final"], one["final"], one["saved"])

@@ -29,16 +29,14 @@ writers, then both resumes) and are killed after a timeout: a hang fails
 the test in bounded time.
 """
 
-import subprocess
-import sys
 import textwrap
 
 import keras
-import numpy as np
 import pytest
+from _helpers import assert_close_next_steps
+from _helpers import assert_same_training_state
 from _helpers import free_ports
-from _helpers import script_result
-from _helpers import subprocess_env
+from _helpers import run_scripts
 
 pytestmark = [
     pytest.mark.tensorflow,
@@ -176,55 +174,18 @@ def _run(tmp_path, mode):
     script = tmp_path / f"{mode}.py"
     script.write_text(WORKER)
     ports = ",".join(map(str, free_ports(2)))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), mode, str(tmp_path), str(i), ports],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=subprocess_env("tensorflow"))
-        for i in (0, 1, -1)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT)
-            results.append(script_result(stdout, stderr, proc.returncode))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    results = run_scripts(
+        script, [[mode, tmp_path, i, ports] for i in (0, 1, -1)],
+        "tensorflow", TIMEOUT)
     return results[:2], results[2]
-
-
-def _assert_same_state(a, b):
-    assert a["scale"] == b["scale"] and a["skipped"] == b["skipped"]
-    assert a["iterations"] == b["iterations"]
-    assert len(a["weights"]) == len(b["weights"])
-    for u, v in zip(a["weights"], b["weights"]):
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-    assert sorted(a["optimizer"]) == sorted(b["optimizer"])
-    for path in a["optimizer"]:
-        np.testing.assert_array_equal(np.asarray(a["optimizer"][path]),
-                                      np.asarray(b["optimizer"][path]),
-                                      err_msg=path)
-
-
-def _assert_close_steps(got, ref, saved):
-    assert got["scale"] == ref["scale"] and got["skipped"] == ref["skipped"]
-    assert got["iterations"] == ref["iterations"]
-    moved = max(np.max(np.abs(np.asarray(r) - np.asarray(s)))
-                for r, s in zip(ref["weights"], saved["weights"]))
-    assert moved > 0
-    for i, (u, r) in enumerate(zip(got["weights"], ref["weights"])):
-        diff = np.max(np.abs(np.asarray(u) - np.asarray(r)))
-        assert diff <= 2.0**-8 * moved, (i, diff, moved)
 
 
 def test_checkpoints_resume_across_process_counts(tmp_path):
     # The writers: two workers (the chief writes two.keras) and one process
     # (one.keras).
     two, one = _run(tmp_path, "write")
-    _assert_same_state(two[0]["saved"], two[1]["saved"])
-    _assert_same_state(two[0]["final"], two[1]["final"])
+    assert_same_training_state(two[0]["saved"], two[1]["saved"])
+    assert_same_training_state(two[0]["final"], two[1]["final"])
     for run in two[0], one:  # the inf skipped one step before the save
         assert run["saved"]["skipped"] == 1
         assert run["saved"]["iterations"] == FIRST - 1
@@ -235,10 +196,10 @@ def test_checkpoints_resume_across_process_counts(tmp_path):
     # Run at once: the two workers resume one.keras, one process two.keras.
     back, resumed = _run(tmp_path, "resume")
 
-    _assert_same_state(resumed["saved"], two[0]["saved"])
-    _assert_close_steps(resumed["final"], two[0]["final"], two[0]["saved"])
+    assert_same_training_state(resumed["saved"], two[0]["saved"])
+    assert_close_next_steps(resumed["final"], two[0]["final"], two[0]["saved"])
 
-    _assert_same_state(back[0]["final"], back[1]["final"])
-    _assert_same_state(back[0]["saved"], one["saved"])
-    _assert_same_state(back[1]["saved"], one["saved"])
-    _assert_close_steps(back[0]["final"], one["final"], one["saved"])
+    assert_same_training_state(back[0]["final"], back[1]["final"])
+    assert_same_training_state(back[0]["saved"], one["saved"])
+    assert_same_training_state(back[1]["saved"], one["saved"])
+    assert_close_next_steps(back[0]["final"], one["final"], one["saved"])
