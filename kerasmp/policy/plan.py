@@ -211,7 +211,8 @@ def plan_of(model):
 
     >>> kerasmp.set_global_policy("mixed_float16")
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> plan_of(model) is plan_of(model)
+    >>> plan = kerasmp.policy.plan.plan_of(model)
+    >>> plan is kerasmp.policy.plan.plan_of(model)
     True
     >>> kerasmp.set_global_policy("float32")
     """
