@@ -15,7 +15,8 @@ assignment, `kerasmp.policy.advice`, the workers' settings check
 `kerasmp.tune` all read the model's plan instead of walking it again.
 
 The plan is cached on the model (one attribute of kerasmp's in the model's
-`__dict__`, as `kerasmp.policy.measure` marks a measured model) with a
+`__dict__`, as `kerasmp.policy.measure` marks a measured model, holding a
+plain object that `.keras` saving and Keras's tracking do not look into) with a
 fingerprint of what it was made from: the global dtype policy and, for the
 model and each layer Keras tracks in it (`_keras_internals.sublayers`, Keras's
 own flat listing: no paths, no rules), the layer, its name, its stored policy
@@ -39,7 +40,22 @@ from kerasmp.float8.policies import POLICY_CLASSES
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import stored_policy
 
-_CACHE = "_kerasmp_plan"  # in a model's __dict__: (fingerprint, Plan)
+_CACHE = "_kerasmp_plan"  # in a model's __dict__: a `_Cached`
+
+
+class _Cached:
+    """A model's plan and its fingerprint, in a plain object: `.keras`
+    saving walks a model's attributes into lists, tuples and dicts (a tuple
+    holding the model's layers would be saved again, and the model itself
+    recursed into), and Keras's tracking records only what `__setattr__`
+    sees; neither looks inside this."""
+
+    __slots__ = ("ids", "objects", "plan")
+
+    def __init__(self, ids, objects, plan):
+        self.ids = ids
+        self.objects = objects
+        self.plan = plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +234,9 @@ def plan_of(model):
     """
     ids, objects = fingerprint(model)
     cached = model.__dict__.get(_CACHE)
-    if cached is not None and cached[0] == ids:
-        return cached[2]
+    if cached is not None and cached.ids == ids:
+        return cached.plan
     made = plan(model)
     # object.__setattr__: keep this out of Keras's attribute tracking.
-    object.__setattr__(model, _CACHE, (ids, objects, made))
+    object.__setattr__(model, _CACHE, _Cached(ids, objects, made))
     return made

@@ -78,6 +78,7 @@ def _model():
 
 def _export(model, tmp_path, name):
     fmt = _FORMAT[keras.backend.backend()]
+    name += ".pt2" if fmt == "torch" else ""
     return kerasmp.export.export(model, str(tmp_path / name), format=fmt)
 
 
@@ -218,3 +219,21 @@ def test_freezing_a_layer_makes_a_new_plan(mixed_policy):
     model.get_layer("only").trainable = False
     frozen = _same_as_fresh(model)
     assert not frozen.needs_loss_scaling  # nothing trains in float16
+
+
+def test_a_model_with_its_plan_saves_and_loads_as_before(
+        mixed_policy, tmp_path):
+    # `.keras` saving walks a model's attributes into lists and tuples:
+    # the cached plan must not be one of them (a tuple holding the model
+    # recursed without end).
+    model = _model()
+    x = np.random.default_rng(0).uniform(size=(4, 8)).astype("float32")
+    expected = keras.ops.convert_to_numpy(model(x))
+    plan_of(model)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert [tuple(v.shape) for v in loaded.weights] == [
+        tuple(v.shape) for v in model.weights]
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(loaded(x)), expected)
+    assert plan_of(loaded).paths() == plan_of(model).paths()
