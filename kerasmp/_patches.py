@@ -84,7 +84,7 @@ from kerasmp.policy.handback import hand_back
 from kerasmp.policy.handback import handoff_dtype
 from kerasmp.policy.measure import measure_once
 from kerasmp.policy.measure import move_failed_at_build
-from kerasmp.policy.plan import plan as build_plan
+from kerasmp.policy.plan import plan_of
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.rules import activation_name
@@ -269,7 +269,7 @@ def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
     measure_once(self)
-    plan = build_plan(self)
+    plan = plan_of(self)
     _policy_advice.warn_about_policy(self, plan)  # unmatched, set too late
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()

@@ -10,8 +10,8 @@ import json
 
 import keras
 
-from kerasmp._utils.layers import walk
 from kerasmp._utils.table import render_table
+from kerasmp.policy.plan import plan_of
 
 SEVERITIES = ("error", "warning", "info")
 HALF = ("float16", "bfloat16")
@@ -135,6 +135,7 @@ def dtype_name(x):
 
 
 def checked_layers(model):
-    """`(path, layer)` of every layer of `model` but its `InputLayer`s."""
-    return [(p, layer) for p, layer in walk(model)
+    """`(path, layer)` of every layer of `model` but its `InputLayer`s, as
+    its plan lists them (`kerasmp.policy.plan.plan_of`)."""
+    return [(p, layer) for p, layer in plan_of(model).walk()
             if not isinstance(layer, keras.layers.InputLayer)]

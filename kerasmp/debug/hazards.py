@@ -35,7 +35,6 @@ from kerasmp._utils.arrays import FLOAT16_MAX
 from kerasmp._utils.arrays import FLOAT16_MIN_NORMAL
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
-from kerasmp._utils.layers import walk
 from kerasmp.debug.findings import HALF
 from kerasmp.debug.findings import CheckReport
 from kerasmp.debug.findings import Finding
@@ -53,7 +52,7 @@ from kerasmp.policy.norms import UNDECIDED
 from kerasmp.policy.norms import is_keras_normalization
 from kerasmp.policy.norms import known_float16_hazard
 from kerasmp.policy.norms import normalization_by_name
-from kerasmp.policy.plan import plan
+from kerasmp.policy.plan import plan_of
 from kerasmp.policy.rules import activation_name
 
 TENSOR_CORE_MULTIPLE = 8
@@ -368,7 +367,7 @@ def _measured(model):
     model already compiled (those layers then compute in float32, and the
     other checks see them so) or one no half-precision kerasmp policy
     governs."""
-    governing = plan(model)
+    governing = plan_of(model)
     if not governing.governed or is_measured(model):
         return []
     findings = []
@@ -397,10 +396,10 @@ def _measured(model):
 
 
 def _layer_at(model, path):
-    for p, layer in walk(model):
-        if p == path:
-            return layer
-    return None
+    try:
+        return plan_of(model)[path].layer
+    except KeyError:
+        return None
 
 
 def _gpu_visible():

@@ -7,13 +7,13 @@ import re
 
 import keras
 
-from kerasmp._utils.layers import walk
 from kerasmp.policy import policy as _policy
 from kerasmp.policy.advice import class_hint
 from kerasmp.policy.advice import describe
 from kerasmp.policy.advice import matches_a_layer
 from kerasmp.policy.advice import model_layers
 from kerasmp.policy.advice import nearest_layers
+from kerasmp.policy.plan import plan_of
 
 
 def check_dtype(dtype, allowed, argname="dtype"):
@@ -42,8 +42,9 @@ def check_model(model):
 def keep_rules(model, keep_float32):
     """The float32 rules (layer classes and name regexes) to apply."""
     if keep_float32 is None:
-        for layer in [model] + [l for _, l in walk(model)]:
-            stored = _policy.stored_policy(layer)
+        made = plan_of(model)
+        for entry in (made.root,) + made.layers:
+            stored = entry.stored
             if isinstance(stored, _policy.Policy):
                 return tuple(stored.float32_layers)
         return tuple(_policy.DEFAULT_FLOAT32_LAYERS)

@@ -35,7 +35,6 @@ from kerasmp import _keras_internals as _ki
 from kerasmp._utils.arrays import FLOAT16_MAX
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
-from kerasmp._utils.layers import walk
 from kerasmp.export.arguments import check_dtype
 from kerasmp.export.arguments import check_model
 from kerasmp.export.arguments import keep_rules
@@ -43,6 +42,7 @@ from kerasmp.export.quiet import say
 from kerasmp.policy import policy as _policy
 from kerasmp.policy.handback import hand_back
 from kerasmp.policy.measure import measure_once
+from kerasmp.policy.plan import plan_of
 
 DTYPES = ("float16", "bfloat16")
 
@@ -94,7 +94,7 @@ def decide(model, dtype, rules):
                                  float32_defaults=False)
     kept, out_of_range = {}, set()
     ancestors = {}
-    layers = list(walk(model))
+    layers = plan_of(model).walk()
     mixed = any(_half_policy(layer) for _, layer in layers)
     for path, layer in layers:
         parent = path.rsplit("/", 1)[0] if "/" in path else None
@@ -195,7 +195,7 @@ def plan(model, dtype, keep_float32=None):
     check_model(model)
     rules = keep_rules(model, keep_float32)
     kept, _ = decide(model, dtype, rules)
-    layers = [("", model)] + list(walk(model))
+    layers = [("", model)] + plan_of(model).walk()
     owner = {}
     for _, layer in layers:
         for v in _ki.own_variables(layer):
@@ -233,11 +233,12 @@ def plan(model, dtype, keep_float32=None):
 class _Hidden:
     """Holds what a HalfModel must not track or save."""
 
-    __slots__ = ("source", "layers", "pairs")
+    __slots__ = ("source", "layers", "paths", "pairs")
 
-    def __init__(self, source, layers):
+    def __init__(self, source, layers, paths):
         self.source = source
-        self.layers = layers
+        self.layers = layers  # [source] + its layers, in `walk` order
+        self.paths = paths  # their paths ("" for source)
         self.pairs = []
 
 
@@ -269,7 +270,8 @@ class HalfModel(keras.Model):
         kwargs["dtype"] = "float32"
         super().__init__(**kwargs)
         sources = unique_variables(source)
-        layers = [source] + [l for _, l in walk(source)]
+        walked = [("", source)] + plan_of(source).walk()
+        layers = [layer for _, layer in walked]
         if len(sources) != len(variable_dtypes) or len(layers) != len(
             layer_policies
         ):
@@ -284,7 +286,8 @@ class HalfModel(keras.Model):
         # Hidden on purpose in a plain object: Keras tracking and `.keras`
         # saving (which walks attributes, lists and properties) must not
         # store its float32 variables, only the copies below.
-        object.__setattr__(self, "_hidden", _Hidden(source, layers))
+        object.__setattr__(self, "_hidden", _Hidden(
+            source, layers, [path for path, _ in walked]))
         self.variable_dtypes = list(variable_dtypes)
         self.layer_policies = list(layer_policies)
         self.kept_float32 = dict(kept_float32 or {})
@@ -315,7 +318,8 @@ class HalfModel(keras.Model):
         The layer path is as in `layer_compute_dtypes` (`"mha/query"`).
         """
         names = {}
-        for path, layer in walk(self._hidden.source):
+        hidden = self._hidden
+        for path, layer in zip(hidden.paths[1:], hidden.layers[1:]):
             for v in _ki.own_variables(layer):
                 names.setdefault(id(v), f"{path}/{v.name}")
         return {
@@ -325,7 +329,7 @@ class HalfModel(keras.Model):
 
     def layer_compute_dtypes(self):
         """`{layer path: compute dtype}` of the layers, as it runs them."""
-        paths = [""] + [p for p, _ in walk(self._hidden.source)]
+        paths = self._hidden.paths
         out = {}
         for path, layer, name in zip(
             paths, self._hidden.layers, self.layer_policies
@@ -388,7 +392,7 @@ class HalfModel(keras.Model):
         Functional or Sequential model need no cast: Keras casts each
         layer's inputs itself, and op nodes promote.
         """
-        paths = [""] + [p for p, _ in walk(self._hidden.source)]
+        paths = self._hidden.paths
         index = {p: i for i, p in enumerate(paths)}
         graph = is_graph_model(self._hidden.source)
         out = []

@@ -11,9 +11,9 @@ import numpy as np
 from kerasmp import _keras_internals as _ki
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
-from kerasmp._utils.layers import walk
 from kerasmp.export.half import HalfModel
 from kerasmp.export.half import is_graph_model
+from kerasmp.policy.plan import plan_of
 
 PREDICT_BATCH = 128
 DEFAULT_LENGTH = 16  # unknown dimensions of the default parity inputs
@@ -87,7 +87,7 @@ def _front_layer(model, name):
     """The first layer that reads input `name` of a graph model, or None."""
     if not is_graph_model(model):
         return None
-    for _, layer in walk(model):
+    for _, layer in plan_of(model).walk():
         if isinstance(layer, keras.layers.InputLayer):
             continue
         if isinstance(layer, keras.Model):
@@ -110,7 +110,7 @@ def draw_inputs(model, specs, n, seed=0):
     """
     rng = np.random.default_rng(seed)
     vocab = [
-        l.input_dim for _, l in walk(model)
+        l.input_dim for _, l in plan_of(model).walk()
         if isinstance(l, keras.layers.Embedding)
     ]
     arrays = []

@@ -16,6 +16,7 @@ import keras
 from kerasmp._utils.layers import walk
 from kerasmp.export.half import is_graph_model
 from kerasmp.export.specs import alternatives
+from kerasmp.policy.plan import plan_of
 
 _POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
 
@@ -161,7 +162,7 @@ class float32_global:
 
 def pairs(model, rebuilt):
     """`[(path, source layer, rebuilt layer)]`, checked to be the same."""
-    source = list(walk(model))
+    source = plan_of(model).walk()
     copies = list(walk(rebuilt))
     same = len(source) == len(copies) and all(
         type(a) is type(b)

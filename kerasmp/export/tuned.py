@@ -15,7 +15,7 @@ import contextlib
 
 from kerasmp.export.inputs import PREDICT_BATCH
 from kerasmp.export.inputs import pack
-from kerasmp.policy.plan import plan
+from kerasmp.policy.plan import plan_of
 from kerasmp.tune import tune
 from kerasmp.tune.apply import HALF
 from kerasmp.tune.apply import governed_tree
@@ -40,7 +40,7 @@ def check(model, dtype, max_rel_diff):
             "precision export keeps in float32; with dtype='float32' every "
             "layer is float32. Allowed values: None, layer classes and/or "
             "name patterns, or 'tune' with dtype='float16' or 'bfloat16'.")
-    governing = plan(model).policy
+    governing = plan_of(model).policy
     if governing is None or governing.compute_dtype not in HALF:
         raise ValueError(
             "Invalid `keep_float32`: 'tune' measures the model as kerasmp "

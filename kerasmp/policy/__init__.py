@@ -5,8 +5,10 @@
 - `rules`: parsing and saving the float32 rules; `norms`: which layers are
   normalizations and known float16 hazards.
 - `saving`: how kerasmp policies are saved and loaded.
-- `plan`: what `compile` decides for a model; `workers`: do all workers of
-  a multi-worker job agree on it.
+- `plan`: the model's one precision plan (`plan_of`: per layer its policy,
+  float32 rule, measured move and float8 decision; what `compile`,
+  `export`, `check` and `tune` read); `workers`: do all workers of a
+  multi-worker job agree on it.
 - `report`: `dtype_report`; `stock`: the warning for Keras's own mixed
   policy.
 

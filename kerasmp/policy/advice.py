@@ -22,11 +22,11 @@ import weakref
 
 import keras
 
-from kerasmp._utils.layers import walk
 from kerasmp._utils.namematch import NameMatcher
 from kerasmp._utils.warn import warn
 from kerasmp.errors import PolicyWarning
 from kerasmp.policy.norms import Exclude
+from kerasmp.policy.plan import plan_of
 from kerasmp.policy.policy import Policy
 
 _HALF = ("float16", "bfloat16")
@@ -35,8 +35,8 @@ _warned = weakref.WeakKeyDictionary()  # model -> what it was warned about
 
 def model_layers(model):
     """The layers of `model` a rule can match, the model first (no
-    `InputLayer`)."""
-    return [model] + [layer for _, layer in walk(model)
+    `InputLayer`), as its plan lists them (`kerasmp.policy.plan.plan_of`)."""
+    return [model] + [layer for _, layer in plan_of(model).walk()
                       if not isinstance(layer, keras.layers.InputLayer)]
 
 

@@ -49,7 +49,7 @@ from kerasmp._utils.instrument import running_layers
 from kerasmp._utils.instrument import watching_ops
 from kerasmp._utils.layers import walk
 from kerasmp._utils.warn import user_stacklevel
-from kerasmp.policy.plan import plan
+from kerasmp.policy.plan import plan_of
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import stored_policy
@@ -94,7 +94,7 @@ def measure_once(model):
     if is_measured(model) or not can_measure(model):
         return
     mark_measured(model)
-    governing = plan(model)
+    governing = plan_of(model)
     if governing.governed:
         measure(model, governing.policy)
 
@@ -235,7 +235,7 @@ def measure(model, policy, dry_run=False):
 
 
 def _measure(model, policy, inputs, dry_run):
-    layers = list(walk(model))
+    layers = plan_of(model).walk()
     before = [(layer, stored_policy(layer)) for _, layer in layers]
     moved = _moves(model, policy, inputs, layers, dry_run)
     sized = _sized(inputs)

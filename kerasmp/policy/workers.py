@@ -35,7 +35,7 @@ import keras
 import numpy as np
 
 from kerasmp import _keras_internals as _ki
-from kerasmp.policy.plan import plan as build_plan
+from kerasmp.policy.plan import plan_of
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a worker waits for the others' settings (JAX)."""
@@ -99,7 +99,7 @@ def worker_settings(model, plan=None, loss_scale=...):
             (`loss_scale_settings` of the optimizer `compile` is about to
             use, or None for none); default: those of `model.optimizer`.
     """
-    plan = build_plan(model) if plan is None else plan
+    plan = plan_of(model) if plan is None else plan
     policy = plan.policy
     settings = {"policy": plan.dtype_policy}
     if policy is None:

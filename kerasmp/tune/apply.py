@@ -23,9 +23,9 @@ import numpy as np
 
 from kerasmp._utils.arrays import is_float
 from kerasmp._utils.arrays import to_numpy
-from kerasmp._utils.layers import walk
 from kerasmp.policy.measure import TUNE_RULE
 from kerasmp.policy.measure import suspended
+from kerasmp.policy.plan import plan_of
 from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import stored_policy
@@ -47,7 +47,7 @@ def governed_tree(model):
     child paths}` of those and the layers above them (`tree[""]` the
     top-level ones), in `walk` order; `layers`: `{path: layer}`.
     """
-    layers = {p: layer for p, layer in walk(model)
+    layers = {p: layer for p, layer in plan_of(model).walk()
               if not isinstance(layer, keras.layers.InputLayer)}
     tunable = [p for p, layer in layers.items()
                if governing(layer) is not None
@@ -97,7 +97,7 @@ def as_float32(model, round_weights=False):
     the block runs; with `round_weights`, its float weights are rounded to
     float16 and back for the block too."""
     changed = []
-    for layer in [model] + [layer for _, layer in walk(model)]:
+    for layer in [model] + [layer for _, layer in plan_of(model).walk()]:
         stored = stored_policy(layer)
         if stored is not None and _half_named(stored):
             changed.append((layer, stored))
@@ -162,7 +162,7 @@ def apply_policy(model, policy):
     """Gives each layer of `model` whose stored policy equals `policy`
     (the same name and rules: `Policy.__eq__`) `policy` itself. Returns
     `model`."""
-    for layer in [model] + [layer for _, layer in walk(model)]:
+    for layer in [model] + [layer for _, layer in plan_of(model).walk()]:
         stored = stored_policy(layer)
         if isinstance(stored, Policy) and stored == policy:
             layer.dtype_policy = policy

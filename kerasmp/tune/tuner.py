@@ -19,7 +19,7 @@ import numpy as np
 from kerasmp._utils.instrument import running_layers
 from kerasmp._utils.parity import parity
 from kerasmp.policy.measure import measure_once
-from kerasmp.policy.plan import plan
+from kerasmp.policy.plan import plan_of
 from kerasmp.tune.apply import HALF
 from kerasmp.tune.apply import as_float32
 from kerasmp.tune.apply import forward
@@ -115,7 +115,7 @@ def _check(model, target, metric, max_drop, y, batch_size):
         raise ValueError(f"Invalid `batch_size`: {batch_size!r}. Allowed "
                          "values: None (the whole sample at once), an int "
                          "> 0.")
-    governing = plan(model).policy
+    governing = plan_of(model).policy
     if governing is None or governing.compute_dtype not in HALF:
         raise ValueError(
             "kerasmp.tune needs a model that a half-precision "
@@ -179,7 +179,7 @@ def tune(model, x, target=1e-2, *, y=None, metric=None, max_drop=None,
     start = time.perf_counter()
     governing = _check(model, target, metric, max_drop, y, batch_size)
     measure_once(model)  # what its first call or compile would move
-    governing = plan(model).policy
+    governing = plan_of(model).policy
     batches, y = _batches(x, y, batch_size)
     if metric is not None and y is None:
         raise ValueError("The metric mode needs labels: pass `y`, or `x` "
