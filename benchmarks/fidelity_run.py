@@ -197,6 +197,12 @@ class _Recorder:
 
             def on_epoch_end(self, epoch, logs=None):
                 rec.times.append(time.perf_counter())
+                progress = os.environ.get("FIDELITY_PROGRESS")
+                if progress:  # a long run's progress, for whoever waits
+                    with open(progress, "a", encoding="utf-8") as f:
+                        f.write(f"{time.strftime('%H:%M:%S')} epoch "
+                                f"{epoch + 1} val_loss "
+                                f"{float(logs['val_loss']):.4f}\n")
                 rec.evals.append((float(logs["val_loss"]),
                                   float(logs["val_accuracy"])))
                 opt = self.model.optimizer
