@@ -30,6 +30,7 @@ policies and structure. `plan(model)` makes a fresh plan, uncached.
 """
 
 import dataclasses
+import functools
 
 import keras
 
@@ -126,18 +127,16 @@ class Plan:
         """`[(path, layer)]`, as `walk(model)` lists them."""
         return [(entry.path, entry.layer) for entry in self.layers]
 
-    def paths(self):
-        """The layers' paths, in `walk` order."""
-        return [entry.path for entry in self.layers]
+    @functools.cached_property
+    def _by_path(self):
+        entries = {entry.path: entry for entry in self.layers}
+        if self.root is not None:
+            entries[""] = self.root
+        return entries
 
     def __getitem__(self, path):
         """The `LayerPlan` at `path` (`""`: the model); KeyError if none."""
-        if path == "" and self.root is not None:
-            return self.root
-        for entry in self.layers:
-            if entry.path == path:
-                return entry
-        raise KeyError(path)
+        return self._by_path[path]
 
 
 def _governing(layer):
