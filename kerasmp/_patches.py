@@ -52,7 +52,11 @@ from `kerasmp._keras_internals`:
    warning says so. Then, for every model,
    `kerasmp.train_step` installs kerasmp's train step, and for a governed
    model under a multi-worker strategy every worker checks that all have
-   the same precision settings.
+   the same precision settings. Last, a governed model whose compile
+   setting loses its dtype's measured speed on this device (an explicit
+   `jit_compile=True` for bfloat16 on a TensorFlow CPU) gets a one-time
+   warning with the ratios and the faster setting (`kerasmp.policy.speed`);
+   the setting is kept.
 5. Attention on a CPU (JAX only). `jax.nn.dot_product_attention`, which
    `keras.ops.dot_product_attention` (and so `MultiHeadAttention` and
    keras-hub's attention layers) calls on JAX, asks XLA for the
@@ -79,6 +83,7 @@ from kerasmp.optimizer import saving as _optimizer_saving
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.policy import advice as _policy_advice
 from kerasmp.policy import saving as _saving
+from kerasmp.policy import speed as _speed
 from kerasmp.policy import stock as _stock_policy
 from kerasmp.policy.handback import hand_back
 from kerasmp.policy.handback import handoff_dtype
@@ -312,6 +317,7 @@ def _compile(self, *args, **kwargs):
     arguments["auto_scale_loss"] = False
     result = original(*bound.args, **bound.kwargs)
     _train_step.install(self)
+    _speed.warn_if_slow(self, plan)  # jit_compile=True and bfloat16 on a CPU
     return result
 
 

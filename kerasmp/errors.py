@@ -64,3 +64,16 @@ class StockOptimizerWarning(UserWarning):
     steps are undone. Compile with `kerasmp.LossScaleOptimizer(...)` to
     avoid it.
     """
+
+
+class SpeedWarning(UserWarning):
+    """A compile setting loses the speed that the policy's dtype has here.
+
+    Issued once per process by `model.compile()` for a model that a
+    `kerasmp.Policy` governs, where kerasmp knows from measurement that the
+    setting is slower than the alternative on this device: today an
+    explicit `jit_compile=True` on TensorFlow on a CPU with bfloat16
+    instructions, where XLA computes bfloat16 matrix products in float32
+    (`kerasmp._utils.cpu_speed`). The message gives the measured ratios and
+    the faster setting; kerasmp keeps the setting the user asked for.
+    """

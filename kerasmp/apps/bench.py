@@ -59,6 +59,7 @@ from kerasmp._utils.devices import jax_memory_stats
 from kerasmp._utils.devices import main_device
 from kerasmp._utils.devices import tf_first_gpu
 from kerasmp._utils.table import render_table
+from kerasmp.apps.choices import BENCH_CPU_POLICIES
 from kerasmp.apps.choices import BENCH_DEFAULT_POLICIES
 from kerasmp.apps.choices import BENCH_POLICIES
 from kerasmp.apps.choices import BENCH_PRESETS
@@ -347,7 +348,16 @@ def _add_ratios(rows, baseline):
     return rows
 
 
-def run_bench(preset="default", models=None, policies=BENCH_DEFAULT_POLICIES,
+def default_policies(device_kind):
+    """The policies `run_bench` compares when none are given: on a CPU
+    those a CPU can run fast (`BENCH_CPU_POLICIES`), elsewhere float32,
+    mixed_float16 and mixed_bfloat16."""
+    if device_kind == "cpu":
+        return BENCH_CPU_POLICIES
+    return BENCH_DEFAULT_POLICIES
+
+
+def run_bench(preset="default", models=None, policies=None,
               steps=None, repeats=None, batch_size=None, verbose=True,
               run_order=None, on_progress=None):
     """Runs the benchmark and returns its result dict.
@@ -359,7 +369,8 @@ def run_bench(preset="default", models=None, policies=BENCH_DEFAULT_POLICIES,
             Defaults to all of them.
         policies: Policies to compare, from `BENCH_POLICIES`, in the order
             of the table. Ratios are relative to the first one (the
-            baseline).
+            baseline). Defaults to `default_policies` of the device: on a
+            CPU float32 and mixed_bfloat16.
         steps: Steps per timed call (overrides the preset; >= 2).
         repeats: Timed calls per model and policy (overrides the preset).
         batch_size: Batch size for every model (overrides the preset).
@@ -395,7 +406,9 @@ def run_bench(preset="default", models=None, policies=BENCH_DEFAULT_POLICIES,
                 f"{', '.join(s.name for s in specs)}."
             )
         specs = tuple(s for s in specs if s.name in models)
-    policies = tuple(policies)
+    kind, device_name = _accelerator()
+    policies = tuple(default_policies(kind) if policies is None
+                     else policies)
     bad = [p for p in policies if p not in BENCH_POLICIES]
     if bad or not policies or len(set(policies)) != len(policies):
         raise ValueError(f"Invalid `policies` {bad or policies}: distinct "
@@ -417,7 +430,6 @@ def run_bench(preset="default", models=None, policies=BENCH_DEFAULT_POLICIES,
     if batch_size is not None:
         specs = tuple(dataclasses.replace(s, batch_size=batch_size)
                       for s in specs)
-    kind, device_name = _accelerator()
     started = time.perf_counter()
     meta = {
         "kerasmp_version": _kerasmp_version(),

@@ -13,6 +13,10 @@ BENCH_MODELS = ("mlp", "cnn", "transformer")
 BENCH_POLICIES = ("float32", "float32_highest", "mixed_float16",
                   "mixed_bfloat16", "float8_mixed_bfloat16")
 BENCH_DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+# On a CPU: the policies a CPU can run fast. float16 has no fast CPU kernels
+# (PyTorch's float16 matmuls 35-70x slower than float32, TensorFlow's
+# float16 convolutions 100x+): `--policies` still asks for it.
+BENCH_CPU_POLICIES = ("float32", "mixed_bfloat16")
 
 # Each preset: its models with their sizes (the fields of
 # `kerasmp.apps.zoo.ModelSpec` after `name`), steps per timed call and timed
@@ -38,6 +42,18 @@ BENCH_PRESETS = {
                                 vocab=8192),
         },
         steps=20, repeats=5,
+    ),
+    # A CPU, at the widths of real models (bfloat16's speed on a CPU with
+    # AVX512_BF16/AMX shows there; the quick preset's tiny models measure
+    # their overhead): a 2-block transformer of width 256 and a CNN of
+    # 64-128-256 filters on 32x32 images. About 3 minutes on 2 cores.
+    "cpu": dict(
+        models={
+            "transformer": dict(batch_size=32, width=256, depth=2,
+                                input_size=64, heads=4, vocab=1024),
+            "cnn": dict(batch_size=32, width=64, depth=3, input_size=32),
+        },
+        steps=10, repeats=3,
     ),
     # One GPU: a transformer encoder that keeps the chip busy (64k tokens a
     # step, ~22 TFLOP per step: about half a second in float32 "highest" on

@@ -52,6 +52,8 @@ import keras
 import numpy as np
 
 from kerasmp._utils.arrays import to_numpy
+from kerasmp._utils.cpu_speed import has_bf16_instructions
+from kerasmp._utils.devices import cpu_flags
 from kerasmp._utils.devices import main_device
 from kerasmp._utils.paths import check_output_folder
 from kerasmp.apps.choices import DEMO_DEFAULT_EPOCHS
@@ -497,7 +499,10 @@ def _run(work, out, policy, epochs, seed, quick, batch_size, verbose):
     )
     histories.append(("float32", history32))
     say(f"\n[2/2] {policy} (kerasmp.Policy"
-        + (" + LossScaleOptimizer" if policy == "mixed_float16" else "")
+        + (f" + LossScaleOptimizer(dynamic_growth_steps={GROWTH_STEPS}:"
+           f" the scale may grow every {GROWTH_STEPS} good steps in this "
+           "short run; the default is 2000)"
+           if policy == "mixed_float16" else "")
         + " + monitors)")
     model, runs["mixed"], history_mp, monitor = _train(
         policy, Policy(policy), data, epochs, seed, batch_size, work,
@@ -541,6 +546,7 @@ def _run(work, out, policy, epochs, seed, quick, batch_size, verbose):
         "keras_version": keras.__version__,
         "backend": backend,
         "device": _device(),
+        "cpu_bf16_instructions": has_bf16_instructions(cpu_flags()),
         "command": "kerasmp demo " + " ".join(
             [f"--policy {policy}", f"--epochs {epochs}", f"--seed {seed}"]
             + (["--quick"] if quick else [])),

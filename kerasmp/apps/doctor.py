@@ -14,6 +14,8 @@ import os
 import platform
 import sys
 
+from kerasmp._utils.cpu_speed import WHERE
+from kerasmp._utils.cpu_speed import measured
 from kerasmp._utils.devices import Device  # noqa: F401  (a doctor's Device)
 from kerasmp._utils.devices import cpu_flags
 from kerasmp._utils.devices import visible_devices
@@ -74,8 +76,11 @@ def _tensor_cores(dev):
         if bf16 or fp16:
             kinds = "/".join(k for k, ok in (("bf16", bf16), ("fp16", fp16))
                              if ok)
-            return (f"CPU with {kinds} instructions (AMX/AVX-512); few "
-                    "framework kernels use them")
+            used = ("TensorFlow's oneDNN and PyTorch's kernels use the "
+                    "bf16 ones for matrix products and convolutions (not "
+                    "XLA's, so not JAX's)" if bf16 else
+                    "few framework kernels use them")
+            return f"CPU with {kinds} instructions (AMX/AVX-512); {used}"
         return "no float16/bfloat16 matrix units"
     cc = dev.compute_capability
     if cc is None:
@@ -87,22 +92,42 @@ def _tensor_cores(dev):
     return "no tensor cores"
 
 
-# A mixed policy is recommended on measurements only when it is at least
-# this much faster than float32 on every model the benchmark ran.
-MEASURED_MARGIN = 1.05
+# Below this speed-up over float32 a measured difference may be noise: the
+# recommendation stands, with a caveat.
+NOISE_MARGIN = 1.05
+_TINY_PRESETS = ("quick", "smoke")
+
+
+def _geomean(values):
+    values = list(values)
+    product = 1.0
+    for v in values:
+        product *= v
+    return product ** (1.0 / len(values))
 
 
 def from_bench(bench):
     """`(policy, reason)` from a `kerasmp bench` result, or None.
 
-    The recommendation is the policy with the highest smallest speed-up over
-    float32 across the benchmark's models, if that is at least
-    `MEASURED_MARGIN`; else float32. None when the result has no float32
-    baseline.
+    The recommendation is the policy that measured fastest: the highest
+    speed-up over float32 (its geometric mean over the benchmark's models),
+    if that is above 1; else float32. The reason gives each policy's ratios,
+    and says when the best one is within `NOISE_MARGIN` of float32, slower
+    on one of the models, or measured on the tiny `quick`/`smoke` models
+    only. None when the result has no float32 baseline.
 
     Args:
         bench: The dict `kerasmp.apps.bench.run_bench` returns (or its
             `--json` file, loaded).
+
+    Example:
+
+    >>> rows = [{"model": "cnn", "policy": "float32",
+    ...          "speedup_vs_baseline": 1.0},
+    ...         {"model": "cnn", "policy": "mixed_bfloat16",
+    ...          "speedup_vs_baseline": 1.4}]
+    >>> from_bench({"baseline": "float32", "rows": rows})[0]
+    'mixed_bfloat16'
     """
     rows = bench.get("rows") or []
     if bench.get("baseline") != "float32":
@@ -119,23 +144,81 @@ def from_bench(bench):
         return ", ".join(f"{m} x{r:.2f}"
                          for m, r in sorted(by_policy[policy].items()))
 
-    best = max(by_policy, key=lambda p: min(by_policy[p].values()))
+    best = max(by_policy, key=lambda p: _geomean(by_policy[p].values()))
+    ratio = _geomean(by_policy[best].values())
     measured = "; ".join(f"{p}: {speeds(p)}" for p in sorted(by_policy))
     device = bench.get("device") or "this device"
     source = f"measured by kerasmp bench on {device}"
-    if min(by_policy[best].values()) >= MEASURED_MARGIN:
-        return best, (f"{source}, steps/s vs float32: {measured}. {best} "
-                      "was the fastest on every model.")
-    return "float32", (f"{source}, steps/s vs float32: {measured}. No mixed "
-                       f"policy was at least {MEASURED_MARGIN:g}x faster on "
-                       "every model.")
+    caveats = []
+    if bench.get("preset") in _TINY_PRESETS and not bench.get("user_model"):
+        caveats.append(
+            f"the {bench['preset']!r} preset's models are tiny and no guide "
+            "to a real model's speed: `kerasmp bench --preset cpu` (a "
+            "width-256 transformer and a CNN) or `kerasmp bench --model "
+            "model.keras` measures one")
+    if ratio <= 1.0:
+        return "float32", (
+            f"{source}, steps/s vs float32: {measured}. No mixed policy was "
+            "faster than float32." + "".join(f" Note: {c}." for c in caveats))
+    slower = sorted(m for m, r in by_policy[best].items() if r < 1.0)
+    if slower:
+        caveats.append(f"{best} was slower than float32 on "
+                       f"{', '.join(slower)}")
+    if ratio < NOISE_MARGIN:
+        caveats.append(f"within {NOISE_MARGIN - 1:.0%} of float32, which "
+                       "may be noise: rerun with more --repeats")
+    return best, (f"{source}, steps/s vs float32: {measured}. {best} was "
+                  f"the fastest: x{ratio:.2f} float32's steps/s"
+                  + (" (geometric mean over the models)"
+                     if len(by_policy[best]) > 1 else "") + "."
+                  + "".join(f" Note: {c}." for c in caveats))
+
+
+def _cpu_advice(devices, backend):
+    """`(policy, reason, warnings)` for a CPU-only machine, unmeasured."""
+    bf16 = any(d.bf16_instructions for d in devices)
+    check = ("To decide on this machine's numbers: `kerasmp bench --preset "
+             "cpu --json bench.json` (or `--model model.keras` for your "
+             "own), then `kerasmp doctor --bench bench.json`.")
+    half = ("float16 has no fast kernels on a CPU: use mixed_float16 here "
+            "only to test code you will run on a GPU.")
+    if not bf16:
+        return "float32", (
+            "CPU only, without bfloat16 instructions (no avx512_bf16 or "
+            "amx_bf16 in /proc/cpuinfo): float32 is the fastest here, as "
+            "most CPU kernels convert float16/bfloat16 to float32 and back. "
+            "`kerasmp bench` measures it."), [half]
+    tf_row = measured("tensorflow")
+    if backend == "jax":
+        jax_row = measured("jax")
+        return "float32", (
+            "CPU with bfloat16 instructions (AVX512_BF16/AMX), but on JAX "
+            "XLA's CPU compiler computes bfloat16 matrix products in float32"
+            f", so mixed_bfloat16 gains nothing: measured "
+            f"{jax_row.describe()}. The TensorFlow backend trained "
+            f"{tf_row.describe()} ({WHERE}). " + check), [half]
+    row = measured(backend) or tf_row
+    reason = (
+        "CPU with bfloat16 instructions (AVX512_BF16/AMX), which "
+        + ("TensorFlow's oneDNN kernels" if backend == "tensorflow"
+           else "PyTorch's CPU kernels")
+        + " use for bfloat16 matrix products and convolutions: "
+        f"mixed_bfloat16 is likely faster than float32 here. Measured "
+        f"with compile's defaults: {row.describe()} ({WHERE}). " + check)
+    if backend == "tensorflow":
+        jit = measured("tensorflow", "jit")
+        reason += (" Keep compile's default jit_compile: jit_compile=True "
+                   "(XLA) computes bfloat16 products in float32, measured "
+                   f"{jit.describe()}.")
+    return "mixed_bfloat16", reason, [half]
 
 
 def recommend(devices, backend="tensorflow", bench=None):
     """Returns `(policy_name, reason, warnings)` for the given devices.
 
-    Without `bench`, the advice rests on the devices alone (and says so);
-    with a `kerasmp bench` result it rests on those measurements.
+    Without `bench`, the advice rests on the devices alone, and on a CPU on
+    kerasmp's recorded measurements (`kerasmp._utils.cpu_speed`); with a
+    `kerasmp bench` result it rests on those measurements.
 
     Args:
         devices: `Device`s, as `doctor()` finds them.
@@ -144,35 +227,13 @@ def recommend(devices, backend="tensorflow", bench=None):
     """
     warnings = []
     accel = [d for d in devices if d.kind in ("gpu", "tpu")]
-    measured = from_bench(bench) if bench else None
+    measured_here = from_bench(bench) if bench else None
     if not accel:
-        if measured is not None:
-            return measured[0], measured[1], warnings
-        reason = ("CPU only, nothing measured here: float32 is the safe "
-                  "default, as mixed precision is usually slower than "
-                  "float32 on a CPU (most CPU kernels convert "
-                  "float16/bfloat16 to float32 and back).")
-        if backend == "tensorflow" and any(
-            d.bf16_instructions for d in devices
-        ):
-            reason += (
-                " This CPU has bfloat16 instructions (AVX512_BF16/AMX) that "
-                "TensorFlow's oneDNN kernels use, where mixed_bfloat16 has "
-                "trained faster than float32: 1.4-1.5x for a CNN and a "
-                "transformer, 0.94x for an MLP, on another machine "
-                "(docs/benchmarks.md). To decide on this machine's numbers: "
-                "`kerasmp bench --quick --json bench.json`, then `kerasmp "
-                "doctor --bench bench.json`."
-            )
-        else:
-            reason += " `kerasmp bench` measures it here."
-        warnings.append(
-            "no GPU or TPU: use mixed precision on a CPU to test code you "
-            "will run on a GPU; float16 stays slower on a CPU."
-        )
-        return ("float32", reason, warnings)
-    if measured is not None:
-        return measured[0], measured[1], warnings
+        if measured_here is not None:
+            return measured_here[0], measured_here[1], warnings
+        return _cpu_advice(devices, backend)
+    if measured_here is not None:
+        return measured_here[0], measured_here[1], warnings
     dev = accel[0]
     if dev.kind == "tpu":
         return ("mixed_bfloat16", "TPU matrix units run bfloat16 natively; "

@@ -183,6 +183,16 @@ def test_quick_bfloat16_has_no_loss_scale(tmp_path, capsys):
     assert (out / "model_bf16.keras").exists()
     printed = capsys.readouterr().out
     assert "final loss scale" in printed
+    # The closing line tells this run's truth: its own time ratio (from the
+    # two runs' wall times), and what this CPU has.
+    ratio = (summary["runs"]["mixed"]["wall_time_s"]
+             / summary["runs"]["float32"]["wall_time_s"])
+    assert f"trained in x{ratio:.2f} float32's time" in printed
+    assert "usually slower" not in printed
+    with open("/proc/cpuinfo") as f:
+        bf16 = any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
+    assert summary["cpu_bf16_instructions"] == bf16
+    assert ("has no bfloat16 instructions" in printed) == (not bf16)
     # The folder holds what this run wrote (all of it listed) and the
     # user's file; nothing of the earlier run survives.
     listed = {os.path.basename(p) for p in summary["artifacts"].values()
@@ -395,3 +405,40 @@ def test_vendored_digits_match_scikit_learn():
 def test_load_digits_rejects_bad_fraction():
     with pytest.raises(ValueError, match="test_fraction"):
         load_digits(test_fraction=1.5)
+
+
+def _speed(policy, ratio, bf16, backend="tensorflow", device="cpu: x"):
+    summary = _demo_summary()
+    summary.update(config={"policy": policy}, time_ratio=ratio,
+                   cpu_bf16_instructions=bf16, backend=backend,
+                   device=device)
+    return demo.format_summary(summary)
+
+
+def test_demo_closing_line_follows_policy_cpu_and_measurement():
+    # Issue 43: "on a CPU mixed precision is usually slower" was said even
+    # where bfloat16 is faster.
+    text = _speed("mixed_bfloat16", 0.8, bf16=True)
+    assert "x0.80 float32's time: faster than float32" in text
+    assert "This CPU has bfloat16 instructions" in text
+    text = _speed("mixed_bfloat16", 1.1, bf16=True)
+    assert "x1.10 float32's time: no faster than float32" in text
+    assert "--preset cpu" in text
+    assert "no bfloat16 instructions" in _speed("mixed_bfloat16", 1.3, False)
+    assert "XLA" in _speed("mixed_bfloat16", 1.0, True, backend="jax")
+    text = _speed("mixed_float16", 2.0, bf16=True)
+    assert "float16 has no fast kernels on a CPU" in text
+    assert "x2.00 float32's time" in _speed("mixed_float16", 2.0, True)
+    # On a GPU the table's ratio says it all.
+    assert "float32's time" not in _speed("mixed_float16", 0.5, True,
+                                          device="gpu: H100")
+
+
+def test_demo_table_says_the_growth_interval_with_the_scale():
+    # Issue 44 item 9: dynamic_growth_steps=100 was only in summary.json.
+    summary = _demo_summary()
+    summary["runs"]["mixed"]["dynamic_growth_steps"] = 100
+    text = demo.format_summary(summary)
+    scale_row = next(line for line in text.split("\n")
+                     if line.startswith("final loss scale"))
+    assert "growth every 100 steps" in scale_row

@@ -7,7 +7,6 @@ import os
 import tempfile
 
 from kerasmp._utils.paths import check_output
-from kerasmp.apps.choices import BENCH_DEFAULT_POLICIES
 from kerasmp.apps.choices import BENCH_MODELS
 from kerasmp.apps.choices import BENCH_POLICIES
 from kerasmp.apps.choices import BENCH_PRESETS
@@ -22,7 +21,8 @@ def add_arguments(parser):
     parser.add_argument(
         "--quick", action="store_true",
         help="the 'quick' preset: tiny models, few steps (under two minutes "
-        "on a CPU)")
+        "on a CPU; a smoke test, no guide to a real model's speed: the "
+        "'cpu' preset is)")
     parser.add_argument(
         "--preset", choices=tuple(BENCH_PRESETS), default=None,
         help="model sizes, steps and repeats (default: 'default', or "
@@ -32,9 +32,10 @@ def add_arguments(parser):
         metavar="MODEL", help="models to run (default: all of the preset's)")
     parser.add_argument(
         "--policies", nargs="+", choices=BENCH_POLICIES,
-        default=list(BENCH_DEFAULT_POLICIES), metavar="POLICY",
+        default=None, metavar="POLICY",
         help="policies to compare; ratios are relative to the first "
-        "(default: float32 mixed_float16 mixed_bfloat16)")
+        "(default: float32 mixed_bfloat16 on a CPU, where float16 has no "
+        "fast kernels; float32 mixed_float16 mixed_bfloat16 on a GPU)")
     parser.add_argument("--steps", type=int_at_least(2), default=None,
                         metavar="N", help="steps per timed call (>= 2)")
     parser.add_argument("--repeats", type=int_at_least(1), default=None,
@@ -79,7 +80,7 @@ def _write_json(path, obj):
 
 def run(args):
     preset = _preset(args)
-    if len(set(args.policies)) != len(args.policies):
+    if args.policies and len(set(args.policies)) != len(args.policies):
         raise UsageError(f"--policies {' '.join(args.policies)}: expected "
                          "distinct policies")
     if args.json is not None:
@@ -117,8 +118,7 @@ def run(args):
 
 BENCH = Command(
     name="bench",
-    help="steps/s and memory of float32 vs mixed_float16 vs mixed_bfloat16 "
-    "on this device",
+    help="steps/s and memory of float32 vs mixed precision on this device",
     description="Train a small model zoo for a few steps under each policy "
     "and report steps/s and memory. --json PATH is checked before the "
     "benchmark starts and rewritten after every model and policy, so an "
