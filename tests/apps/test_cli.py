@@ -498,11 +498,13 @@ def test_help_lists_the_choices_demo_and_bench_accept():
     bench_help = " ".join(subs["bench"].format_help().split())
     assert "{mixed_float16,mixed_bfloat16}" in demo_help
     assert "(default 12, 2 with --quick)" in demo_help
-    assert "{quick,default,gpu,smoke}" in bench_help
+    assert "{quick,default,cpu,gpu,smoke}" in bench_help
     # --models and --policies show a metavar; the reference lists them.
     reference = cli.markdown_reference()
     assert ("`--policies`: policies to compare; ratios are relative to the "
-            "first (default: float32 mixed_float16 mixed_bfloat16) (one of: "
+            "first (default: float32 mixed_bfloat16 on a CPU, where float16 "
+            "has no fast kernels; float32 mixed_float16 mixed_bfloat16 on a "
+            "GPU) (one of: "
             "float32, float32_highest, mixed_float16, mixed_bfloat16, "
             "float8_mixed_bfloat16)") in reference
     assert "(one of: mlp, cnn, transformer)" in reference
