@@ -101,7 +101,7 @@ def keras_model(keras, model_name):
             VOCAB, SEQ, WIDTH)(tokens)
         for _ in range(BLOCKS):
             x = keras_hub.layers.TransformerDecoder(FF, HEADS)(x)
-        logits = keras.layers.Dense(VOCAB, dtype="float32")(x)
+        logits = keras.layers.Dense(VOCAB)(x)
         return keras.Model(tokens, logits)
     images = keras.Input((IMAGE, IMAGE, 3))
     x = images
@@ -113,7 +113,7 @@ def keras_model(keras, model_name):
         if i < len(FILTERS) - 1:
             x = keras.layers.MaxPooling2D()(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
-    logits = keras.layers.Dense(CLASSES, dtype="float32")(x)
+    logits = keras.layers.Dense(CLASSES)(x)
     return keras.Model(images, logits)
 
 
