@@ -171,7 +171,7 @@ def _numpy_dtype(dtype):
     return dtype
 
 
-def _accelerator():
+def accelerator():
     """`("gpu"|"tpu"|"cpu", device name)` of the active backend."""
     dev = main_device()
     return dev.kind, dev.name
@@ -240,6 +240,42 @@ def _jax_device_peak():
     return None if peak is None else int(peak)
 
 
+def time_fit(model, x, y, batch_size, repeats):
+    """Times `repeats` epochs of `model.fit(x, y)` after a warm-up.
+
+    The warm-up `fit` (two batches) traces or compiles the train step and
+    builds the optimizer; each timed `fit` is one epoch over `x`, whose
+    first step is left out (`PerformanceMonitor(warmup_steps=1)`).
+
+    Args:
+        model: A compiled model.
+        x: Inputs, as `fit` takes them (arrays or a dict or list of them).
+        y: Targets.
+        batch_size: The batch size.
+        repeats: Timed `fit` calls.
+
+    Returns:
+        `(rates, loss)`: steps per second of each timed call, and the
+        last call's loss.
+    """
+    def head(a):
+        return keras.tree.map_structure(lambda t: t[: 2 * batch_size], a)
+
+    model.fit(head(x), head(y), batch_size=batch_size, epochs=1,
+              shuffle=False, verbose=0)
+    if accelerator()[0] == "gpu" and keras.backend.backend() == (
+            "tensorflow"):
+        _tf_gpu_peak(reset=True)
+    rates, loss = [], None
+    for _ in range(repeats):
+        monitor = PerformanceMonitor(batch_size=batch_size, warmup_steps=1)
+        history = model.fit(x, y, batch_size=batch_size, epochs=1,
+                            shuffle=False, verbose=0, callbacks=[monitor])
+        rates.append(history.history["steps_per_second"][-1])
+        loss = history.history["loss"][-1]
+    return rates, loss
+
+
 def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
     """Measures one model under one policy.
 
@@ -261,7 +297,7 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
     highest = policy == "float32_highest"
     name = "float32" if highest else policy
     backend = keras.backend.backend()
-    kind = _accelerator()[0]
+    kind = accelerator()[0]
     keras.backend.clear_session()
     if backend != "jax":
         # keras.utils.set_random_seed also seeds TensorFlow when it is
@@ -276,22 +312,7 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
             optimizer = LossScaleOptimizer(optimizer)
         model.compile(optimizer=optimizer,
                       loss="sparse_categorical_crossentropy")
-        # Warm-up: traces/compiles the train step, builds the optimizer.
-        model.fit(x[: 2 * spec.batch_size], y[: 2 * spec.batch_size],
-                  batch_size=spec.batch_size, epochs=1, shuffle=False,
-                  verbose=0)
-        if kind == "gpu" and backend == "tensorflow":
-            _tf_gpu_peak(reset=True)
-        rates, loss = [], None
-        for _ in range(repeats):
-            # The first step of each timed fit is left out (warmup_steps=1).
-            monitor = PerformanceMonitor(batch_size=spec.batch_size,
-                                         warmup_steps=1)
-            history = model.fit(x, y, batch_size=spec.batch_size, epochs=1,
-                                shuffle=False, verbose=0,
-                                callbacks=[monitor])
-            rates.append(history.history["steps_per_second"][-1])
-            loss = history.history["loss"][-1]
+        rates, loss = time_fit(model, x, y, spec.batch_size, repeats)
         peak = None
         peak_source = None
         device_peak = None
@@ -331,7 +352,7 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
     return row
 
 
-def _add_ratios(rows, baseline):
+def add_ratios(rows, baseline):
     base = {r["model"]: r for r in rows if r["policy"] == baseline}
     for r in rows:
         b = base.get(r["model"])
@@ -406,7 +427,7 @@ def run_bench(preset="default", models=None, policies=None,
                 f"{', '.join(s.name for s in specs)}."
             )
         specs = tuple(s for s in specs if s.name in models)
-    kind, device_name = _accelerator()
+    kind, device_name = accelerator()
     policies = tuple(default_policies(kind) if policies is None
                      else policies)
     bad = [p for p in policies if p not in BENCH_POLICIES]
@@ -432,7 +453,7 @@ def run_bench(preset="default", models=None, policies=None,
                       for s in specs)
     started = time.perf_counter()
     meta = {
-        "kerasmp_version": _kerasmp_version(),
+        "kerasmp_version": kerasmp_version(),
         "keras_version": keras.__version__,
         "backend": keras.backend.backend(),
         "device_kind": kind,
@@ -460,11 +481,11 @@ def run_bench(preset="default", models=None, policies=None,
                 timespec="seconds"),
             **meta,
             "complete": complete,
-            "rows": _add_ratios(ordered, policies[0]),
+            "rows": add_ratios(ordered, policies[0]),
             "total_time_s": round(time.perf_counter() - started, 3),
         }
         if kind == "cpu":
-            out["advice"] = _advice(out)
+            out["advice"] = advice_for(out)
         return out
 
     for spec in specs:
@@ -481,13 +502,13 @@ def run_bench(preset="default", models=None, policies=None,
     return result(complete=True)
 
 
-def _kerasmp_version():
+def kerasmp_version():
     import kerasmp
 
     return kerasmp.__version__
 
 
-def _advice(result):
+def advice_for(result):
     """doctor's advice, resting on this benchmark's own measurements."""
     from kerasmp.apps.doctor import doctor
 
@@ -527,8 +548,10 @@ def format_table(result):
         ))
     lines = [
         f"kerasmp bench: backend {result['backend']}, {result['device_kind']}"
-        f": {result['device']}, preset {result['preset']}, "
-        f"{result['steps']} steps x {result['repeats']} repeats (median)",
+        f": {result['device']}, "
+        + (f"model {result['user_model']}, " if result.get("user_model")
+           else f"preset {result['preset']}, ")
+        + f"{result['steps']} steps x {result['repeats']} repeats (median)",
     ]
     for name, desc in result["models"].items():
         lines.append(f"  {name}: {desc}")

@@ -14,7 +14,10 @@ from kerasmp.apps.cli.base import Command
 from kerasmp.apps.cli.base import UsageError
 from kerasmp.apps.cli.base import cli_words
 from kerasmp.apps.cli.base import int_at_least
+from kerasmp.apps.cli.loading import check_model_file
 from kerasmp.apps.cli.loading import import_keras
+from kerasmp.apps.cli.loading import load_model
+from kerasmp.apps.cli.loading import load_sample
 
 
 def add_arguments(parser):
@@ -43,6 +46,16 @@ def add_arguments(parser):
                         help="timed calls per model and policy")
     parser.add_argument("--batch-size", type=int_at_least(1), default=None,
                         metavar="N", help="batch size of every model")
+    parser.add_argument(
+        "--model", metavar="FILE", default=None,
+        help="time your own .keras model instead of the presets' (rebuilt "
+        "under each policy, its weights copied; the loss is a stand-in, "
+        "the mean squared output)")
+    parser.add_argument(
+        "--sample", metavar="FILE", default=None,
+        help="with --model: its inputs, .npy (one input) or .npz (keyed by "
+        "input name, or arr_0, arr_1, ... in input order), repeated to fill "
+        "the steps; default: draws that respect the model, as export's")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the result as JSON to PATH")
     parser.add_argument("--overwrite", action="store_true",
@@ -78,8 +91,41 @@ def _write_json(path, obj):
         raise
 
 
+def _check_model_args(args):
+    """The checks of --model and --sample, before anything is loaded."""
+    if args.model is None:
+        if args.sample is not None:
+            raise UsageError("--sample needs --model: the presets' models "
+                             "make their own inputs")
+        return None
+    given = [flag for flag, value in (
+        ("--quick", args.quick), ("--preset", args.preset),
+        ("--models", args.models)) if value]
+    if given:
+        raise UsageError(f"--model times your model; {' and '.join(given)} "
+                         "choose the presets' models: pass one of them")
+    modules = check_model_file(args.model, args.unsafe, what="--model")
+    sample = None if args.sample is None else load_sample(args.sample)
+    return modules, sample
+
+
+def _run_model(args, checked, on_progress):
+    modules, sample = checked
+    from kerasmp.apps.bench_model import run_model_bench
+
+    model = load_model(args, args.model, modules)
+    steps = 10 if args.steps is None else args.steps
+    repeats = 3 if args.repeats is None else args.repeats
+    result = run_model_bench(
+        model, sample, policies=args.policies, steps=steps,
+        repeats=repeats, batch_size=args.batch_size,
+        label=os.path.basename(args.model))
+    return result
+
+
 def run(args):
-    preset = _preset(args)
+    checked = _check_model_args(args)
+    preset = None if checked else _preset(args)
     if args.policies and len(set(args.policies)) != len(args.policies):
         raise UsageError(f"--policies {' '.join(args.policies)}: expected "
                          "distinct policies")
@@ -100,10 +146,13 @@ def run(args):
             _write_json(args.json, partial)
 
     try:
-        result = run_bench(
-            preset, models=args.models, policies=args.policies,
-            steps=args.steps, repeats=args.repeats,
-            batch_size=args.batch_size, on_progress=on_progress)
+        if checked:
+            result = _run_model(args, checked, on_progress)
+        else:
+            result = run_bench(
+                preset, models=args.models, policies=args.policies,
+                steps=args.steps, repeats=args.repeats,
+                batch_size=args.batch_size, on_progress=on_progress)
     except (ValueError, TypeError) as e:
         if args.debug:
             raise
@@ -119,10 +168,11 @@ def run(args):
 BENCH = Command(
     name="bench",
     help="steps/s and memory of float32 vs mixed precision on this device",
-    description="Train a small model zoo for a few steps under each policy "
-    "and report steps/s and memory. --json PATH is checked before the "
-    "benchmark starts and rewritten after every model and policy, so an "
-    "interrupted run keeps its partial results.",
+    description="Train a small model zoo (or your own model, --model) for a "
+    "few steps under each policy and report steps/s and memory. --json "
+    "PATH is checked before the benchmark starts and rewritten after every "
+    "model and policy, so an interrupted run keeps its partial results.",
     add_arguments=add_arguments,
     run=run,
+    loads_models=True,
 )
