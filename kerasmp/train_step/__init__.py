@@ -90,10 +90,8 @@ def install(model):
     if cls is not None and _ATTR not in model.__dict__:
         steps = cls(model)
         object.__setattr__(model, _ATTR, steps)
-        object.__setattr__(model, "train_step", steps.train_step)
-        object.__setattr__(
-            model, "make_train_function", steps.make_train_function
-        )
+        for name in steps.replaces:
+            object.__setattr__(model, name, getattr(steps, name))
 
 
 def scaled(model):
