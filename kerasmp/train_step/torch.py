@@ -6,9 +6,19 @@ copy of what a skipped step must not change (non-trainable variables such as
 batch-norm statistics and seed states, and the metric variables), and, when
 `kerasmp.LossScaleOptimizer` skipped the step, writes the copies back; then
 it adds `loss_scale` / `skipped_steps` and makes one record, as on the other
-backends. Keras refuses `steps_per_execution > 1` on PyTorch; kerasmp's
-train function runs Keras's single-step function once per batch of the
-execution instead, keeping every step's record.
+backends.
+
+`steps_per_execution=k`: Keras 3.15 refuses `k > 1` on PyTorch. The
+model's train, test and predict functions are kerasmp's (`install` sets
+`make_test_function` and `make_predict_function` too): each runs Keras's
+one-step function once per batch of the execution it is handed (k batches,
+fewer at an epoch's end), as Keras 3.16's own functions do. The train
+function keeps every step's record; the test function returns the last
+step's logs (the metrics are cumulative); the predict function returns the
+steps' outputs concatenated along the batch axis. Callbacks see one
+`on_*_batch_end` per execution, as Keras calls them on every backend. The
+epoch iterator's warning at a partial last execution is `kerasmp._patches`'
+(6.).
 
 Under `jit_compile=True` the function `torch.compile` compiles is
 `TorchSteps.train_step` itself, calling Keras's step directly: the compiled
