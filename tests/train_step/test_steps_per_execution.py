@@ -20,6 +20,7 @@ import pytest
 from _models import mlp
 from keras import ops
 
+import kerasmp
 from kerasmp.optimizer import LossScaleOptimizer
 
 pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
@@ -213,3 +214,20 @@ def test_predict_equals_one_step_executions(mixed, request):
         for kind, _, logs in ends.calls if kind == "predict"
     ]
     assert sizes == [SPE * BATCH, N - SPE * BATCH]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="PyTorch's epoch iterator")
+def test_uninstall_gives_keras_its_iterator_back():
+    from kerasmp import _keras_internals as ki
+
+    iterator = ki.torch_epoch_iterator_class()
+    name = ki.INTERRUPTED_WARNING_ATTR
+    patched = vars(iterator).get(name)
+    assert patched is not None
+    try:
+        kerasmp.uninstall()
+        assert name not in vars(iterator)  # EpochIterator's, inherited
+    finally:
+        kerasmp.install()
+    assert vars(iterator).get(name) is not None
