@@ -165,7 +165,8 @@ INTERRUPTED_WARNING_ATTR = "_interrupted_warning"
 """The `EpochIterator` method that warns "Your input ran out of data;
 interrupting training": called where `steps_per_epoch` batches were asked
 and the data ended before them, and, in Keras 3.15, also wherever the data
-ended inside an execution of `steps_per_execution` batches (Keras 3.16 warns
+ended while an execution's batches were read (an epoch of unknown size, or
+a partial last execution of `steps_per_execution` batches; Keras 3.16 warns
 there only when `steps_per_epoch` was given)."""
 
 

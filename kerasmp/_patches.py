@@ -69,7 +69,8 @@ from `kerasmp._keras_internals`:
    fewer batches, which kerasmp's PyTorch train, test and predict functions
    run (`kerasmp.train_step.torch`). Keras 3.15's epoch iterator warns
    "Your input ran out of data; interrupting training" there, every epoch
-   and every validation, though nothing was interrupted: kerasmp's
+   and every validation, though nothing was interrupted (and at the end of
+   the first epoch of data of unknown size): kerasmp's
    `TorchEpochIterator._interrupted_warning` warns only when
    `steps_per_epoch` was given, as Keras 3.16's iterator does (where the
    patch changes nothing).
