@@ -139,7 +139,16 @@ class TorchSteps(HostLoopSteps):
         """Keras's `make_test_function` for any `steps_per_execution`: the
         function runs Keras's one-step test function once per batch of the
         execution and returns the last step's logs (the metrics are
-        cumulative), as Keras 3.16's does."""
+        cumulative), as Keras 3.16's does.
+
+        Args:
+            force: Whether to build the function again when the model has
+                one.
+
+        Returns:
+            The model's `test_function`, which takes an execution's list
+            of batches.
+        """
         model = self.model
         if model.test_function is not None and not force:
             return model.test_function
@@ -157,7 +166,16 @@ class TorchSteps(HostLoopSteps):
     def make_predict_function(self, force=False):
         """Keras's `make_predict_function` for any `steps_per_execution`:
         the function runs Keras's one-step predict function once per batch
-        of the execution and returns their outputs concatenated."""
+        of the execution and returns their outputs concatenated.
+
+        Args:
+            force: Whether to build the function again when the model has
+                one.
+
+        Returns:
+            The model's `predict_function`, which takes an execution's list
+            of batches.
+        """
         model = self.model
         if model.predict_function is not None and not force:
             return model.predict_function
