@@ -161,6 +161,23 @@ def trace_symbolically(fn, *args):
     return backend.compute_output_spec(fn, *args)
 
 
+INTERRUPTED_WARNING_ATTR = "_interrupted_warning"
+"""The `EpochIterator` method that warns "Your input ran out of data;
+interrupting training": called where `steps_per_epoch` batches were asked
+and the data ended before them, and, in Keras 3.15, also wherever the data
+ended while an execution's batches were read (an epoch of unknown size, or
+a partial last execution of `steps_per_execution` batches; Keras 3.16 warns
+there only when `steps_per_epoch` was given)."""
+
+
+def torch_epoch_iterator_class():
+    """The iterator class of PyTorch's `fit`, `evaluate` and `predict`
+    (`keras.src.backend.torch.trainer.TorchEpochIterator`); imports torch."""
+    from keras.src.backend.torch import trainer
+
+    return trainer.TorchEpochIterator
+
+
 def call_has_training_arg(model):
     """Whether `model.call` accepts a `training` argument."""
     return bool(model._call_has_training_arg)

@@ -68,6 +68,16 @@ from `kerasmp._keras_internals`:
    (float16 to float32 is exact, so the logits are the float32-accumulated
    products that algorithm asks for) and returns float16. Other dtypes,
    devices and backends go to Keras unchanged.
+6. A partial last execution (PyTorch only). With `steps_per_execution=k`,
+   an epoch whose batches are not a multiple of `k` ends in an execution of
+   fewer batches, which kerasmp's PyTorch train, test and predict functions
+   run (`kerasmp.train_step.torch`). Keras 3.15's epoch iterator warns
+   "Your input ran out of data; interrupting training" there, every epoch
+   and every validation, though nothing was interrupted (and at the end of
+   the first epoch of data of unknown size): kerasmp's
+   `TorchEpochIterator._interrupted_warning` warns only when
+   `steps_per_epoch` was given, as Keras 3.16's iterator does (where the
+   patch changes nothing).
 """
 
 import functools
@@ -375,6 +385,14 @@ def _on_cpu():
     return jax.devices()[0].platform == "cpu"
 
 
+# --------------------------------- 6. a partial last execution (PyTorch)
+
+
+def _interrupted_warning(self):
+    if self.steps_per_epoch:  # an epoch's size the data did not reach
+        _originals["interrupted_warning"](self)
+
+
 def _is_stock_loss_scale_optimizer(optimizer):
     return isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer
@@ -429,6 +447,13 @@ def install():
         _originals["dot_product_attention"] = nn.dot_product_attention
         nn.dot_product_attention = functools.wraps(
             nn.dot_product_attention)(_cpu_half_attention)
+    if keras.backend.backend() == "torch":
+        iterator = _ki.torch_epoch_iterator_class()
+        name = _ki.INTERRUPTED_WARNING_ATTR
+        _originals["interrupted_warning"] = getattr(iterator, name)
+        _originals["own_interrupted_warning"] = name in vars(iterator)
+        setattr(iterator, name, functools.wraps(
+            _originals["interrupted_warning"])(_interrupted_warning))
 
 
 def uninstall():
@@ -459,6 +484,13 @@ def uninstall():
     if "dot_product_attention" in _originals:
         _ki.backend_nn_module().dot_product_attention = _originals[
             "dot_product_attention"]
+    if "interrupted_warning" in _originals:
+        iterator = _ki.torch_epoch_iterator_class()
+        name = _ki.INTERRUPTED_WARNING_ATTR
+        if _originals["own_interrupted_warning"]:
+            setattr(iterator, name, _originals["interrupted_warning"])
+        else:
+            delattr(iterator, name)  # inherited from EpochIterator again
     _originals.clear()
 
 

@@ -11,6 +11,7 @@ private internals (docs/architecture.md lists the exceptions).
 
 import ast
 import pathlib
+import warnings
 
 import keras
 import numpy as np
@@ -548,6 +549,33 @@ def test_jax_step_batches_splits_an_execution_into_steps():
 def _built(optimizer, *variables):
     optimizer.build(list(variables))
     return optimizer
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's epoch iterator")
+def test_torch_epoch_iterator_warns_of_running_out_through_one_method():
+    # kerasmp's patch (kerasmp/_patches.py, 6.) wraps this method: every
+    # "ran out of data" warning of the iterator must come from it.
+    cls = ki.torch_epoch_iterator_class()
+    name = ki.INTERRUPTED_WARNING_ATTR
+    assert callable(getattr(cls, name, None)), _changed(
+        f"TorchEpochIterator.{name}"
+    )
+    # 6 batches; 10 steps asked, 4 per execution: the data ends inside the
+    # second execution, and again before a third.
+    iterator = cls(x=np.zeros((24, 2), "float32"), batch_size=4,
+                   steps_per_epoch=10, steps_per_execution=4)
+    calls = []
+    setattr(iterator, name, lambda: calls.append(name))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps = [(b, e, len(data)) for b, e, data in iterator]
+    assert steps == [(0, 3, 4), (4, 7, 2)], _changed(
+        f"the executions TorchEpochIterator hands out ({steps})"
+    )
+    assert calls and not [
+        w for w in caught if "ran out of data" in str(w.message)
+    ], _changed(f"where TorchEpochIterator warns of running out (not {name})")
 
 
 def test_optimizer_variables_and_index():

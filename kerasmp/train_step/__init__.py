@@ -1,8 +1,9 @@
 """The one place kerasmp changes Keras's train step, installed by `compile`.
 
 On TensorFlow, PyTorch and JAX (without NNX), `compile` calls
-`install(model)`, which sets two instance attributes on the model; nothing
-adds or removes them afterwards (a callback never does):
+`install(model)`, which sets two instance attributes on the model (four on
+PyTorch, below); nothing adds or removes them afterwards (a callback never
+does):
 
 - `train_step`: Keras's step, then, while the optimizer is a
   `kerasmp.LossScaleOptimizer` and skipped the step, every variable the step
@@ -16,6 +17,10 @@ adds or removes them afterwards (a callback never does):
   private entries out of the logs (so the progress bar, `History`,
   `CSVLogger` and `TensorBoard` see only `loss_scale` and `skipped_steps`)
   and keeps them for `rows(model)` and `batch(model)`.
+- On PyTorch, also `make_test_function` and `make_predict_function`:
+  Keras's one-step functions, run once per batch of an execution, so that
+  `evaluate`, `predict` and `fit`'s validation take `steps_per_execution >
+  1`, which Keras 3.15 refuses there (`kerasmp.train_step.torch`).
 
 One module per backend holds the step (`tensorflow`, `jax`, `torch`), as
 Keras keeps one `train_step` per backend; `logs` holds what they share.
@@ -90,10 +95,8 @@ def install(model):
     if cls is not None and _ATTR not in model.__dict__:
         steps = cls(model)
         object.__setattr__(model, _ATTR, steps)
-        object.__setattr__(model, "train_step", steps.train_step)
-        object.__setattr__(
-            model, "make_train_function", steps.make_train_function
-        )
+        for name in steps.replaces:
+            object.__setattr__(model, name, getattr(steps, name))
 
 
 def scaled(model):

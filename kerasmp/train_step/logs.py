@@ -114,6 +114,9 @@ class Steps:
         model: The compiled `keras.Model`.
     """
 
+    # The methods `install` sets as the model's instance attributes.
+    replaces = ("train_step", "make_train_function")
+
     def __init__(self, model):
         self.model = model
         self.original = model.__dict__.get("train_step")  # a user override
@@ -193,17 +196,20 @@ class HostLoopSteps(Steps):
         self.pending = []  # the last execution's records
         self.batches = []  # the last execution's batches, if kept
 
-    def single_step_function(self):
-        """Keras's train function for one step (whatever the model's
-        `steps_per_execution`): Keras's multi-step loop keeps the last
-        step's logs only."""
+    def single_step_function(self, kind="train"):
+        """Keras's `kind` function (`"train"`, `"test"` or `"predict"`) for
+        one step, whatever the model's `steps_per_execution`: Keras's
+        multi-step train loop keeps the last step's logs only, and Keras
+        3.15 refuses `steps_per_execution > 1` on PyTorch. It takes a list
+        of one batch."""
         model = self.model
+        spe = model.steps_per_execution
         model.steps_per_execution = 1
         try:
-            type(model).make_train_function(model, force=True)
+            getattr(type(model), f"make_{kind}_function")(model, force=True)
         finally:
-            model.steps_per_execution = self.spe
-        return model.train_function
+            model.steps_per_execution = spe
+        return getattr(model, f"{kind}_function")
 
     @staticmethod
     def take_record(logs, records):

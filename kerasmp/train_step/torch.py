@@ -6,9 +6,19 @@ copy of what a skipped step must not change (non-trainable variables such as
 batch-norm statistics and seed states, and the metric variables), and, when
 `kerasmp.LossScaleOptimizer` skipped the step, writes the copies back; then
 it adds `loss_scale` / `skipped_steps` and makes one record, as on the other
-backends. Keras refuses `steps_per_execution > 1` on PyTorch; kerasmp's
-train function runs Keras's single-step function once per batch of the
-execution instead, keeping every step's record.
+backends.
+
+`steps_per_execution=k`: Keras 3.15 refuses `k > 1` on PyTorch. The
+model's train, test and predict functions are kerasmp's (`install` sets
+`make_test_function` and `make_predict_function` too): each runs Keras's
+one-step function once per batch of the execution it is handed (k batches,
+fewer at an epoch's end), as Keras 3.16's own functions do. The train
+function keeps every step's record; the test function returns the last
+step's logs (the metrics are cumulative); the predict function returns the
+steps' outputs concatenated along the batch axis. Callbacks see one
+`on_*_batch_end` per execution, as Keras calls them on every backend. The
+epoch iterator's warning at a partial last execution is `kerasmp._patches`'
+(6.).
 
 Under `jit_compile=True` the function `torch.compile` compiles is
 `TorchSteps.train_step` itself, calling Keras's step directly: the compiled
@@ -20,6 +30,7 @@ kerasmp added (Keras's `one_step_on_data`, a closure, a step getter) was one
 more graph, resume frame and set of guards per break, per step.
 """
 
+import keras
 from keras import ops
 
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
@@ -46,8 +57,28 @@ def _first_of(function):
     return step
 
 
+def _concatenated(outputs):
+    """One execution's predictions: the steps' outputs concatenated along
+    the batch axis, as Keras 3.16's PyTorch `predict_function` does."""
+    if not outputs:
+        return []
+    if len(outputs) == 1:
+        return outputs[0]
+    import torch
+
+    return keras.tree.map_structure(
+        lambda *steps: torch.cat(steps, dim=0), *outputs
+    )
+
+
 class TorchSteps(HostLoopSteps):
-    """kerasmp's train step of one model on PyTorch."""
+    """kerasmp's train step of one model on PyTorch, and its test and
+    predict functions."""
+
+    replaces = HostLoopSteps.replaces + (
+        "make_test_function",
+        "make_predict_function",
+    )
 
     def train_step(self, data):
         model = self.model
@@ -103,3 +134,55 @@ class TorchSteps(HostLoopSteps):
             logs = self.take_record(single(batch), records)
         self.finish(records)
         return logs
+
+    def make_test_function(self, force=False):
+        """Keras's `make_test_function` for any `steps_per_execution`: the
+        function runs Keras's one-step test function once per batch of the
+        execution and returns the last step's logs (the metrics are
+        cumulative), as Keras 3.16's does.
+
+        Args:
+            force: Whether to build the function again when the model has
+                one.
+
+        Returns:
+            The model's `test_function`, which takes an execution's list
+            of batches.
+        """
+        model = self.model
+        if model.test_function is not None and not force:
+            return model.test_function
+        single = self.single_step_function("test")
+
+        def test_function(data):
+            logs = {}
+            for batch in data:
+                logs = single([batch])
+            return logs
+
+        model.test_function = test_function
+        return test_function
+
+    def make_predict_function(self, force=False):
+        """Keras's `make_predict_function` for any `steps_per_execution`:
+        the function runs Keras's one-step predict function once per batch
+        of the execution and returns their outputs concatenated.
+
+        Args:
+            force: Whether to build the function again when the model has
+                one.
+
+        Returns:
+            The model's `predict_function`, which takes an execution's list
+            of batches.
+        """
+        model = self.model
+        if model.predict_function is not None and not force:
+            return model.predict_function
+        single = self.single_step_function("predict")
+
+        def predict_function(data):
+            return _concatenated([single([batch]) for batch in data])
+
+        model.predict_function = predict_function
+        return predict_function
