@@ -1,7 +1,12 @@
 """What pyproject.toml declares for users: an SPDX license string (the
-form setuptools keeps supporting) and a `jax` extra the README installs."""
+form setuptools keeps supporting) with its license file, which the wheel
+carries, and a `jax` extra the README installs."""
 
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 
 import pytest
 from _helpers import ROOT
@@ -42,3 +47,47 @@ def test_readme_installs_torch_as_the_extra_pins_it():
         assert installs, name
         for spec in installs:
             assert spec.strip("\"'") == pin, (name, spec)
+
+
+def test_license_file_is_declared_and_is_the_apache_text():
+    """pyproject.toml says Apache-2.0; the LICENSE it names (PEP 639
+    `license-files`) is there and is the Apache License 2.0's text."""
+    tomllib = pytest.importorskip("tomllib")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.slow
+def test_wheel_carries_the_license(tmp_path):
+    """The built wheel holds LICENSE under its .dist-info and its METADATA
+    names it (`License-File`) with the SPDX expression. Built from a copy
+    of the sources, so the checkout gets no build/ or .egg-info, with the
+    installed setuptools (pyproject.toml asks for 77 or newer)."""
+    pytest.importorskip("setuptools", minversion="77")
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.cfg", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "kerasmp", source / "kerasmp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps",
+         "--no-build-isolation", "-q", "-w", str(tmp_path / "out"),
+         str(source)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "out").glob("kerasmp-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (license_path,) = [n for n in names
+                           if n.endswith(".dist-info/licenses/LICENSE")]
+        assert (archive.read(license_path).decode()
+                == (ROOT / "LICENSE").read_text())
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        lines = archive.read(metadata).decode().splitlines()
+    assert "License-Expression: Apache-2.0" in lines
+    assert "License-File: LICENSE" in lines

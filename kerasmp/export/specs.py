@@ -162,10 +162,22 @@ def alternatives(format, backend=None):
     >>> alternatives("keras", "jax")
     "'savedmodel' or 'tflite'"
     """
-    names = [f"{n!r}" for n in writable_formats(backend) if n != format]
+    return words([f"{n!r}" for n in writable_formats(backend)
+                  if n != format], "or")
+
+
+def words(names, conjunction="and"):
+    """`names` as a list in words: `"a"`, `"a and b"`, `"a, b and c"`.
+
+    Example:
+
+    >>> words(["onnx", "onnxscript", "onnxruntime"])
+    'onnx, onnxscript and onnxruntime'
+    """
+    names = list(names)
     if len(names) <= 1:
         return "".join(names)
-    return ", ".join(names[:-1]) + " or " + names[-1]
+    return f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
 
 
 def _check_backend(format, backend):
@@ -252,8 +264,9 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
                 + " ".join(PIP_NAMES.get(m, m) for m in missing))
         on = (" on the PyTorch backend" if backend == "torch"
               and spec.torch_packages is not None else "")
+        verb = "is" if len(missing) == 1 else "are"
         raise ImportError(
-            f"format={format!r}{on} needs {', '.join(missing)}, which is "
+            f"format={format!r}{on} needs {words(missing)}, which {verb} "
             f"not installed: {hint}."
         )
     folder = spec.suffix is None

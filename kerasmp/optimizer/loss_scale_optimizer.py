@@ -40,10 +40,11 @@ from kerasmp.optimizer.saving import save_stock_layout
 from kerasmp.optimizer.scale_rule import ScaleRule
 from kerasmp.optimizer.scale_rule import ScaleState
 from kerasmp.optimizer.scale_rule import next_state
+from kerasmp.optimizer.unbuilt import UnbuiltState
 
 
 @keras.saving.register_keras_serializable(package="kerasmp")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(UnbuiltState, keras.optimizers.LossScaleOptimizer):
     """An optimizer wrapper that scales the loss and skips non-finite steps.
 
     Each step the gradients (of the scaled loss) are checked for inf/NaN,
@@ -565,7 +566,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if "max_scale" not in config and initial > DEFAULT_MAX_SCALE:
                 config["max_scale"] = initial
         return super().from_config(config, custom_objects=custom_objects)
-
 
 
 def _no_op():

@@ -50,6 +50,31 @@ def test_dependencies_checked_before_any_work(tmp_path, monkeypatch):
                                    io_dtype="float16")
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize("missing,words", [
+    (("onnxscript",), "onnxscript, which is not installed"),
+    (("onnxscript", "onnxruntime"),
+     "onnxscript and onnxruntime, which are not installed"),
+    (("onnx", "onnxscript", "onnxruntime"),
+     "onnx, onnxscript and onnxruntime, which are not installed"),
+])
+def test_missing_packages_named_in_words(tmp_path, monkeypatch, missing,
+                                         words):
+    """One missing package "is" not installed, several "are", listed as
+    words ("a, b and c"), whatever the backend (the names of PyTorch's
+    ONNX route, checked by name, not by running it)."""
+    real = _format_specs.importlib.util.find_spec
+    monkeypatch.setattr(
+        _format_specs.importlib.util, "find_spec",
+        lambda name, *a: None if name in missing else real(name, *a))
+    with pytest.raises(ImportError) as raised:
+        _format_specs.check_target(str(tmp_path / "m.onnx"), "onnx",
+                                   backend="torch")
+    assert str(raised.value) == (
+        f"format='onnx' on the PyTorch backend needs {words}: "
+        "pip install kerasmp[onnx].")
+
+
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("fmt,name", [("savedmodel", "sm"),
                                       ("tflite", "m.tflite"),

@@ -557,6 +557,40 @@ def test_properties_before_and_after_build():
         opt.skipped_steps = 3
 
 
+@pytest.mark.parametrize("name", ["dynamic_scale", "step_counter",
+                                  "hysteresis_budget", "total_skipped_steps",
+                                  "consecutive_skipped_steps"])
+def test_state_variables_before_build_say_how_to_build(name):
+    """The state variables (docs/loss_scaling.md) exist once the optimizer
+    is built, as stock Keras's; read before, the AttributeError (so
+    `hasattr` is still False) says how to build it and what to read
+    meanwhile, where stock's says only that there is no such attribute."""
+    opt = LossScaleOptimizer(_sgd(), initial_scale=16.0)
+    assert not hasattr(opt, name)
+    with pytest.raises(AttributeError) as raised:
+        getattr(opt, name)
+    text = str(raised.value)
+    assert f"`{name}`" in text and "optimizer.build(" in text, text
+    assert "optimizer.loss_scale` (16.0)" in text, text
+    opt.build(single_dense(4, 1).trainable_variables)
+    variable = getattr(opt, name)
+    assert isinstance(variable, keras.Variable)
+    assert any(v is variable for v in opt.variables)
+    assert float(opt.dynamic_scale) == 16.0
+
+
+def test_discarded_micro_steps_only_with_gradient_accumulation():
+    opt = LossScaleOptimizer(_sgd())
+    opt.build(single_dense(4, 1).trainable_variables)
+    with pytest.raises(AttributeError, match="gradient_accumulation_steps"):
+        opt.discarded_micro_steps
+    opt = LossScaleOptimizer(_sgd(gradient_accumulation_steps=2))
+    with pytest.raises(AttributeError, match=r"optimizer\.build\("):
+        opt.discarded_micro_steps
+    opt.build(single_dense(4, 1).trainable_variables)
+    assert int(opt.discarded_micro_steps) == 0
+
+
 def test_hand_computed_trajectory_with_hysteresis_and_bounds():
     opt = LossScaleOptimizer(
         _sgd(),

@@ -171,30 +171,45 @@ def test_stock_loss_scale_optimizer_monitors_say_so_in_one_line():
     assert converted.dynamic_growth_steps == stock.dynamic_growth_steps
 
 
+@pytest.mark.parametrize("verbose", [1, 2])
 def test_the_progress_bar_shows_the_logged_scale_and_skips(
-        capsys, mixed_policy):
-    # Documented in docs/monitoring.md ("Limits"): Keras's Progbar prints
-    # every log value as a float, a value <= 1e-3 in exponent form.
+        capsys, mixed_policy, verbose):
+    # docs/monitoring.md ("Limits"): Keras's Progbar prints every log value
+    # as a float, a value <= 1e-3 in exponent form; kerasmp's progress bar
+    # patch (kerasmp/_progbar.py) prints `skipped_steps` as the count it is.
     x, y = _data()
     model = _model(jit=False, spe=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         history = model.fit(
-            x, y, batch_size=4, epochs=2, shuffle=False, verbose=2
+            x, y, batch_size=4, epochs=2, shuffle=False, verbose=verbose
         ).history
-    lines = [
-        line for line in capsys.readouterr().out.splitlines()
-        if "skipped_steps" in line
-    ]
-    assert len(lines) == 2
+    out = capsys.readouterr().out
+    # verbose=2: one line per epoch; verbose=1: a line per update ("\r"
+    # and backspaces rewrite it), the epoch's last one at its end.
+    lines = [line.strip("\b") for line in out.splitlines()
+             if "skipped_steps" in line]
+    if verbose == 2:
+        assert len(lines) == 2
+    for line in lines:
+        assert re.search(r"skipped_steps: \d+(\s|$)", line), line
     for line, scale, skipped in zip(
-        lines, history["loss_scale"], history["skipped_steps"]
+        lines[-1:] if verbose == 1 else lines,
+        history["loss_scale"][-1:] if verbose == 1 else history["loss_scale"],
+        history["skipped_steps"][-1:] if verbose == 1
+        else history["skipped_steps"],
     ):
         assert f"loss_scale: {scale:.4f}" in line
-        assert f"skipped_steps: {skipped:.4f}" in line
+        assert re.search(rf"skipped_steps: {int(skipped)}(\s|$)", line), line
     assert history["skipped_steps"][0] >= 1
-    # No overflow: 0 skipped steps, in Keras's format for small values.
+    # History keeps Keras's floats; only the progress bar's copy changes.
+    assert all(type(v) is float for v in history["skipped_steps"])
+    # No overflow: 0 skipped steps, a count, not Keras's 0.0000e+00.
     model = single_dense(6, 1)
     model.compile(keras.optimizers.SGD(1e-3), "mse")
-    model.fit(x[:4] * 1e-3, y[:4] * 1e-3, batch_size=4, verbose=2)
-    assert "skipped_steps: 0.0000e+00" in capsys.readouterr().out
+    history = model.fit(x[:4] * 1e-3, y[:4] * 1e-3, batch_size=4,
+                        verbose=verbose).history
+    out = capsys.readouterr().out
+    assert re.search(r"skipped_steps: 0(\s|$)", out), out
+    assert "skipped_steps: 0.0000e+00" not in out
+    assert history["skipped_steps"] == [0.0]
