@@ -91,8 +91,8 @@ __all__ = [
 ]
 
 # Modules that register kerasmp's Keras-serializable classes (and install the
-# policy hooks, and the progress bar's counts): imported as soon as Keras is.
-_REGISTERING = ("kerasmp._patches", "kerasmp.export.half", "kerasmp._progbar")
+# policy hooks): imported as soon as Keras is.
+_REGISTERING = ("kerasmp._patches", "kerasmp.export.half")
 
 
 def __getattr__(name):

@@ -78,6 +78,8 @@ from `kerasmp._keras_internals`:
    `TorchEpochIterator._interrupted_warning` warns only when
    `steps_per_epoch` was given, as Keras 3.16's iterator does (where the
    patch changes nothing).
+7. The progress bar. `keras.utils.Progbar.update` prints `skipped_steps`
+   as the count it is (`kerasmp._progbar`), not `0.0000e+00`.
 """
 
 import functools
@@ -87,6 +89,7 @@ import threading
 import keras
 
 from kerasmp import _keras_internals as _ki
+from kerasmp import _progbar
 from kerasmp import train_step as _train_step
 from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer import saving as _optimizer_saving
@@ -454,6 +457,7 @@ def install():
         _originals["own_interrupted_warning"] = name in vars(iterator)
         setattr(iterator, name, functools.wraps(
             _originals["interrupted_warning"])(_interrupted_warning))
+    _progbar.install()
 
 
 def uninstall():
@@ -491,6 +495,7 @@ def uninstall():
             setattr(iterator, name, _originals["interrupted_warning"])
         else:
             delattr(iterator, name)  # inherited from EpochIterator again
+    _progbar.uninstall()
     _originals.clear()
 
 

@@ -11,10 +11,9 @@ wraps `keras.utils.Progbar.update` (a public method) and hands it
 (`skipped_steps: 0`). Only the progress bar's copy changes: the logs, and
 so `History`, `CSVLogger` and TensorBoard, keep Keras's float.
 
-A display patch, installed when Keras is imported (`kerasmp/__init__.py`
-imports this module with the registering ones), and inert while kerasmp's
-patches are uninstalled (`kerasmp.uninstall()`): the progress bar then
-prints as stock Keras's does.
+A display patch, installed and removed with kerasmp's other patches
+(`kerasmp._patches.install` / `uninstall`): after `kerasmp.uninstall()` the
+progress bar prints as stock Keras's does.
 """
 
 import functools
@@ -62,9 +61,7 @@ def _is_whole(value):
 
 
 def _update(self, current, values=None, finalize=None):
-    from kerasmp import _patches
-
-    if values and _patches.is_installed():
+    if values:
         values = counted(values)
     return _original["update"](self, current, values, finalize)
 
@@ -82,5 +79,3 @@ def uninstall():
     if _original:
         keras.utils.Progbar.update = _original.pop("update")
 
-
-install()
