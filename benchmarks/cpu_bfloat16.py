@@ -33,7 +33,12 @@ steps (tracing, compiling, building the optimizer), then `--repeats` timed
 step. The processes of one backend, model and setting are run in rounds
 (`--rounds`), each round one process per configuration in turn, so that
 drift in the machine's load falls on all of them alike; the reported figure
-is the median over every timed call of every round. Ratios are float32's
+is the median over every timed call of every round. Two clocks: wall time
+per step, and this process's CPU time per step (all its threads). With one
+thread (`--threads 1`) the CPU time is the step's compute; TensorFlow's wall
+time on a CPU can round a step up to a multiple of ~41 ms while its thread
+waits for the next batch (measured: a CNN step of 51 ms CPU took 51.7 or
+82.2 ms wall), so compare TensorFlow on CPU time. Ratios are float32's
 seconds per step over the configuration's (above 1: faster than float32);
 `torch_autocast`'s is over `torch_fp32`'s.
 
@@ -149,14 +154,16 @@ def run_keras(model_name, config, setting, steps, warmup, repeats):
     x, y = _data(model_name, BATCH * steps)
     model.fit(x[: BATCH * warmup], y[: BATCH * warmup], batch_size=BATCH,
               epochs=1, verbose=0, shuffle=False)
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
                             shuffle=False)
         times.append((time.perf_counter() - start) / steps)
+        cpu.append((time.process_time() - start_cpu) / steps)
     return {
         "s_per_step": times,
+        "cpu_s_per_step": cpu,
         "loss": float(history.history["loss"][-1]),
         "compute_dtype": next(
             layer.compute_dtype for layer in model.layers
@@ -233,13 +240,14 @@ def run_torch(model_name, config, steps, warmup, repeats):
     model.train()
     for i in range(warmup):
         step(i)
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for i in range(steps):
             loss = step(i)
         times.append((time.perf_counter() - start) / steps)
-    return {"s_per_step": times, "loss": loss,
+        cpu.append((time.process_time() - start_cpu) / steps)
+    return {"s_per_step": times, "cpu_s_per_step": cpu, "loss": loss,
             "compute_dtype": "bfloat16" if autocast else "float32",
             "jit_compile": False, "optimizer": "torch.optim.Adam"}
 
@@ -316,19 +324,26 @@ def _versions():
     return out
 
 
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
 def summarize(cells):
-    """Median s/step per cell and each configuration's ratio to float32."""
+    """Median s/step per cell (wall and this process's CPU time) and each
+    configuration's ratios to float32."""
     rows = []
     for key, runs in cells.items():
         backend, model_name, setting, config = key
-        times = [t for r in runs if "s_per_step" in r
-                 for t in r["s_per_step"]]
+        wall = [t for r in runs for t in r.get("s_per_step", ())]
+        cpu = [t for r in runs for t in r.get("cpu_s_per_step", ())]
         errors = [r["error"] for r in runs if "error" in r]
         rows.append({
             "backend": backend, "model": model_name, "setting": setting,
             "config": config,
-            "s_per_step": statistics.median(times) if times else None,
-            "s_per_step_all": times, "error": errors[0] if errors else None,
+            "s_per_step": statistics.median(wall) if wall else None,
+            "cpu_s_per_step": statistics.median(cpu) if cpu else None,
+            "s_per_step_all": wall, "cpu_s_per_step_all": cpu,
+            "error": errors[0] if errors else None,
             "loss": runs[-1].get("loss"),
             "compute_dtype": runs[-1].get("compute_dtype"),
             "jit_compile": runs[-1].get("jit_compile"),
@@ -338,41 +353,44 @@ def summarize(cells):
     for r in rows:
         base = "torch_fp32" if r["config"] in TORCH_CONFIGS else "float32"
         # The torch-native rows have one setting: compare in it; every
-        # Keras row is compared with float32 under compile's defaults and
-        # under its own setting.
-        own = by_key.get((r["backend"], r["model"], r["setting"], base))
-        default = by_key.get((r["backend"], r["model"], "default", base))
-        for name, b in (("speedup", own), ("speedup_vs_default_float32",
-                                           default)):
-            r[name] = (b["s_per_step"] / r["s_per_step"]
-                       if b and b["s_per_step"] and r["s_per_step"]
-                       else None)
+        # Keras row is compared with float32 under its own setting and
+        # under compile's defaults.
+        own = by_key.get((r["backend"], r["model"], r["setting"], base)) or {}
+        default = by_key.get((r["backend"], r["model"], "default",
+                              base)) or {}
         stock = by_key.get((r["backend"], r["model"], r["setting"],
-                            "stock_bf16"))
-        r["kerasmp_over_stock_time"] = (
-            r["s_per_step"] / stock["s_per_step"]
-            if r["config"] == "kerasmp_bf16" and stock
-            and stock["s_per_step"] and r["s_per_step"] else None)
+                            "stock_bf16")) or {}
+        for clock, prefix in (("s_per_step", ""), ("cpu_s_per_step",
+                                                    "cpu_")):
+            r[prefix + "speedup"] = _ratio(own.get(clock), r[clock])
+            r[prefix + "speedup_vs_default_float32"] = _ratio(
+                default.get(clock), r[clock])
+            r[prefix + "kerasmp_over_stock_time"] = (
+                _ratio(r[clock], stock.get(clock))
+                if r["config"] == "kerasmp_bf16" else None)
     return rows
 
 
 def format_table(rows):
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
+    def fmt(v, spec, scale=1.0):
+        return "-" if v is None else format(v * scale, spec)
 
-    lines = [f"{'backend':<11} {'model':<12} {'setting':<10} "
-             f"{'config':<15} {'ms/step':>9} {'vs f32':>7} "
-             f"{'vs f32 default':>14}  note"]
+    lines = [f"{'backend':<11} {'model':<12} {'setting':<8} "
+             f"{'config':<15} {'wall ms':>8} {'vs f32':>7} {'vs f32 dflt':>11}"
+             f" {'cpu ms':>8} {'vs f32':>7}  note"]
     for r in rows:
         note = r["error"] or ""
         if r["kerasmp_over_stock_time"] is not None:
-            note = f"kerasmp/stock time {r['kerasmp_over_stock_time']:.3f}"
-        ms = None if r["s_per_step"] is None else 1e3 * r["s_per_step"]
+            note = (f"kerasmp/stock time: wall "
+                    f"{r['kerasmp_over_stock_time']:.3f}, cpu "
+                    f"{fmt(r['cpu_kerasmp_over_stock_time'], '.3f')}")
         lines.append(
-            f"{r['backend']:<11} {r['model']:<12} {r['setting']:<10} "
-            f"{r['config']:<15} {fmt(ms, '9.1f')} "
+            f"{r['backend']:<11} {r['model']:<12} {r['setting']:<8} "
+            f"{r['config']:<15} {fmt(r['s_per_step'], '8.1f', 1e3)} "
             f"{fmt(r['speedup'], '7.2f')} "
-            f"{fmt(r['speedup_vs_default_float32'], '14.2f')}  {note}")
+            f"{fmt(r['speedup_vs_default_float32'], '11.2f')} "
+            f"{fmt(r['cpu_s_per_step'], '8.1f', 1e3)} "
+            f"{fmt(r['cpu_speedup'], '7.2f')}  {note}")
     return "\n".join(lines)
 
 
@@ -431,8 +449,10 @@ def main(argv=None):
                 t = time.perf_counter()
                 out = _run_child(backend, model_name, config, setting, args)
                 cells.setdefault(key, []).append(out)
-                got = out.get("error") or "ms/step " + ", ".join(
-                    f"{1e3 * s:.1f}" for s in out["s_per_step"])
+                got = out.get("error") or "wall ms/step " + ", ".join(
+                    f"{1e3 * s:.1f}" for s in out["s_per_step"]) + (
+                    "; cpu " + ", ".join(f"{1e3 * s:.1f}"
+                                         for s in out["cpu_s_per_step"]))
                 print(f"  {backend:<10} {model_name:<11} {setting:<8} "
                       f"{config:<14} round {round_ + 1}: {got} "
                       f"({time.perf_counter() - t:.0f} s)", flush=True)
