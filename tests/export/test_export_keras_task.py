@@ -24,6 +24,7 @@ import pytest
 from _helpers import BLOCK_KERASMP
 from _helpers import slow_on
 from _helpers import subprocess_env
+from _models import tiny_gpt2_task
 
 from kerasmp import export as kx
 from kerasmp.export import DEFAULT_MAX_REL_DIFF
@@ -50,32 +51,15 @@ print("RESULT " + json.dumps({
 """
 
 
-def _tiny_gpt2(keras_hub):
-    """A GPT2CausalLM (vocabulary 8, 2 layers, hidden 16) with its
-    preprocessor (sequences of 8), over a byte-pair vocabulary made here."""
-    vocabulary = {"<|endoftext|>": 0, "Ġ": 1, "a": 2, "b": 3, "Ġa": 4,
-                  "Ġb": 5, "ab": 6, "Ġab": 7}
-    merges = ["Ġ a", "Ġ b", "a b", "Ġa b"]
-    tokenizer = keras_hub.models.GPT2Tokenizer(vocabulary=vocabulary,
-                                               merges=merges)
-    preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
-        tokenizer, sequence_length=8)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=8, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16)
-    return keras_hub.models.GPT2CausalLM(backbone, preprocessor)
-
-
 def _task_and_float32_twin(tmp_path):
     """`(loaded, reference)`: the task built under `kerasmp.Policy(
     "mixed_float16")`, saved and loaded back as a user exports it, and the
     float32 task holding the same weights."""
-    keras_hub = pytest.importorskip("keras_hub")
     keras.utils.set_random_seed(0)
     with policy_scope(Policy("mixed_float16")):
-        model = _tiny_gpt2(keras_hub)
+        model = tiny_gpt2_task()
     with policy_scope("float32"):
-        reference = _tiny_gpt2(keras_hub)
+        reference = tiny_gpt2_task()
     reference.set_weights(model.get_weights())
     saved = tmp_path / "gpt2.keras"
     model.save(saved)
