@@ -74,6 +74,7 @@ import keras
 
 from kerasmp import _keras_internals as _ki
 from kerasmp import train_step as _train_step
+from kerasmp._utils.warn import at_caller
 from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer import saving as _optimizer_saving
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
@@ -237,25 +238,30 @@ def _first_call(layer):
 # ------------------------------------------------------- 3. saving, loading
 
 
+@at_caller
 def _serialize(policy):
     return _saving.serialize(policy, _originals["serialize"])
 
 
+@at_caller
 def _deserialize(config, custom_objects=None):
     return _saving.deserialize(config, _originals["deserialize"],
                                custom_objects=custom_objects)
 
 
+@at_caller
 def _from_config(cls, config):
     return _saving.construct(cls, config, _originals["from_config"],
                              _originals["deserialize"])
 
 
+@at_caller
 def _get_compile_config(self):
     return _optimizer_saving.portable_compile_config(
         _originals["get_compile_config"](self))
 
 
+@at_caller
 def _compile_from_config(self, config):
     config = _optimizer_saving.restored_compile_config(
         config, LossScaleOptimizer.__module__)
@@ -265,6 +271,7 @@ def _compile_from_config(self, config):
 # ---------------------------------------------------------------- 4. compile
 
 
+@at_caller
 def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy
