@@ -64,6 +64,12 @@ from `kerasmp._keras_internals`:
    (float16 to float32 is exact, so the logits are the float32-accumulated
    products that algorithm asks for) and returns float16. Other dtypes,
    devices and backends go to Keras unchanged.
+
+Each patch that calls the Keras function it replaces, except those that run
+at every call (`Layer.__call__`, the CPU attention), is decorated with
+`kerasmp._utils.warn.at_caller`: the warnings Keras locates at its
+function's caller show where they show without kerasmp, never at a line of
+this module.
 """
 
 import functools
