@@ -80,6 +80,12 @@ from `kerasmp._keras_internals`:
    patch changes nothing).
 7. The progress bar. `keras.utils.Progbar.update` prints `skipped_steps`
    as the count it is (`kerasmp._progbar`), not `0.0000e+00`.
+
+Each patch that calls the Keras function it replaces, except those that run
+at every call (`Layer.__call__`, the CPU attention), is decorated with
+`kerasmp._utils.warn.at_caller`: the warnings Keras locates at its
+function's caller show where they show without kerasmp, never at a line of
+this module.
 """
 
 import functools
@@ -91,6 +97,7 @@ import keras
 from kerasmp import _keras_internals as _ki
 from kerasmp import _progbar
 from kerasmp import train_step as _train_step
+from kerasmp._utils.warn import at_caller
 from kerasmp.float8.layers import assign_layers
 from kerasmp.optimizer import saving as _optimizer_saving
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
@@ -258,25 +265,30 @@ def _first_call(layer):
 # ------------------------------------------------------- 3. saving, loading
 
 
+@at_caller
 def _serialize(policy):
     return _saving.serialize(policy, _originals["serialize"])
 
 
+@at_caller
 def _deserialize(config, custom_objects=None):
     return _saving.deserialize(config, _originals["deserialize"],
                                custom_objects=custom_objects)
 
 
+@at_caller
 def _from_config(cls, config):
     return _saving.construct(cls, config, _originals["from_config"],
                              _originals["deserialize"])
 
 
+@at_caller
 def _get_compile_config(self):
     return _optimizer_saving.portable_compile_config(
         _originals["get_compile_config"](self))
 
 
+@at_caller
 def _compile_from_config(self, config):
     config = _optimizer_saving.restored_compile_config(
         config, LossScaleOptimizer.__module__)
@@ -286,6 +298,7 @@ def _compile_from_config(self, config):
 # ---------------------------------------------------------------- 4. compile
 
 
+@at_caller
 def _compile(self, *args, **kwargs):
     original = _originals["compile"]
     _stock_policy.warn_if_stock_mixed_policy(self)  # the TF guide's policy

@@ -175,3 +175,21 @@ def tiny_bert():
         return keras_hub.models.BertBackbone(
             vocabulary_size=2048, num_layers=2, num_heads=2, hidden_dim=32,
             intermediate_dim=64, max_sequence_length=16)
+
+
+def tiny_gpt2_task():
+    """A GPT2CausalLM (vocabulary 8, 2 layers, hidden 16) with its
+    preprocessor (sequences of 8), over a byte-pair vocabulary made here;
+    skips the test where keras-hub is not installed."""
+    keras_hub = pytest.importorskip("keras_hub")
+    vocabulary = {"<|endoftext|>": 0, "Ġ": 1, "a": 2, "b": 3, "Ġa": 4,
+                  "Ġb": 5, "ab": 6, "Ġab": 7}
+    merges = ["Ġ a", "Ġ b", "a b", "Ġa b"]
+    tokenizer = keras_hub.models.GPT2Tokenizer(vocabulary=vocabulary,
+                                               merges=merges)
+    preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
+        tokenizer, sequence_length=8)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=8, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16)
+    return keras_hub.models.GPT2CausalLM(backbone, preprocessor)

@@ -4,15 +4,20 @@ float32 global policy as a process without kerasmp loads it, and paired
 layer by layer with the model it came from.
 
 `keras_file.build` decides the policies; this module writes them into the
-config (`rewrite`, `plain_policy`, `policy_map`), rebuilds it (`rebuild`)
-and says what failed (`NotExpressible`, `root_cause`, `instead`).
+config (`rewrite`, `plain_policy`, `policy_map`), rebuilds it (`rebuild`),
+gives the rebuilt layers the assets a config does not carry
+(`copy_assets`: a tokenizer's vocabulary) and says what failed
+(`NotExpressible`, `root_cause`, `instead`).
 """
 
 import copy
 import re
+import shutil
+import tempfile
 
 import keras
 
+from kerasmp._utils.arrays import is_float
 from kerasmp._utils.layers import walk
 from kerasmp.export.half import is_graph_model
 from kerasmp.export.specs import alternatives
@@ -61,8 +66,9 @@ def policy_map(default, entries):
 def replace_policies(config, policy):
     """`config` with every dtype policy entry replaced by `policy`.
 
-    The `dtype` of an `InputLayer` (a tensor dtype, not a policy) and
-    quantized policies are left alone.
+    The `dtype` of an `InputLayer` (a tensor dtype, not a policy),
+    quantized policies and the policies of layers that compute in no float
+    dtype (a keras-hub tokenizer's `int32` or `string`) are left alone.
     """
     if isinstance(config, list):
         return [replace_policies(c, policy) for c in config]
@@ -70,13 +76,22 @@ def replace_policies(config, policy):
         return config
     out = {}
     for key, value in config.items():
-        if key == "dtype" and isinstance(value, dict) and value.get(
-            "class_name"
-        ) in _POLICY_CLASSES:
+        if key == "dtype" and _is_float_policy(value):
             out[key] = copy.deepcopy(policy)
         else:
             out[key] = replace_policies(value, policy)
     return out
+
+
+def _is_float_policy(value):
+    """Whether `value` is a serialized stock float dtype policy (or map)."""
+    if not isinstance(value, dict):
+        return False
+    kind = value.get("class_name")
+    if kind == "DTypePolicyMap":
+        return True
+    name = (value.get("config") or {}).get("name")
+    return kind in _POLICY_CLASSES and is_float(name)
 
 
 def rewrite(config, layer, node_policy):
@@ -85,13 +100,16 @@ def rewrite(config, layer, node_policy):
     Functional and Sequential models are walked into: each of their layers
     gets its own entry. Any other layer's config (and what it nests) gets
     one policy (or map) covering the layer and the sublayers it creates
-    itself.
+    itself; so does a functional model whose config is its own (no
+    `layers` list: a keras-hub backbone, or a task, whose config nests its
+    backbone's and its preprocessor's).
     """
-    if is_graph_model(layer) and isinstance(config.get("config"),
-                                                  dict):
-        inner = dict(config["config"])
+    inner = config.get("config")
+    if is_graph_model(layer) and isinstance(inner, dict) and isinstance(
+            inner.get("layers"), list):
+        inner = dict(inner)
         children = []
-        for sub in inner.get("layers", []):
+        for sub in inner["layers"]:
             name = (sub.get("config") or {}).get("name")
             if sub.get("class_name") == "InputLayer" or name is None:
                 children.append(sub)
@@ -105,6 +123,17 @@ def rewrite(config, layer, node_policy):
         if isinstance(inner.get("dtype"), dict):
             inner["dtype"] = node_policy(layer)
         return {**config, "config": inner}
+    if (isinstance(inner, dict) and isinstance(inner.get("preprocessor"), dict)
+            and getattr(layer, "preprocessor", None) is not None):
+        # A keras-hub task: its preprocessor (a tokenizer, an image
+        # converter) computes nothing of the model, so it gets float32, as
+        # a process without kerasmp builds it, and its tokenizer keeps its
+        # int32 or string policy.
+        rest = {k: v for k, v in inner.items() if k != "preprocessor"}
+        out = replace_policies({**config, "config": rest}, node_policy(layer))
+        out["config"]["preprocessor"] = replace_policies(
+            inner["preprocessor"], plain_policy("float32"))
+        return out
     return replace_policies(config, node_policy(layer))
 
 
@@ -179,3 +208,27 @@ def pairs(model, rebuilt):
     return [(p, a, b) for (p, a), (_, b) in zip(source, copies)]
 
 
+def copy_assets(model, rebuilt):
+    """Gives each layer of `rebuilt` the assets of its layer in `model`
+    (a keras-hub tokenizer's vocabulary and merges, a `StringLookup`'s
+    vocabulary): what `.keras` saving writes beside the weights, through
+    the layers' own `save_assets` / `load_assets`, which a config does not
+    carry. A keras-hub task's preprocessor is reached also where Keras
+    does not track it as a layer (on PyTorch)."""
+    both = [(s, c) for _, s, c in pairs(model, rebuilt)]
+    source = getattr(model, "preprocessor", None)
+    target = getattr(rebuilt, "preprocessor", None)
+    if source is not None and target is not None and not any(
+            s is source for s, _ in both):
+        both += [(source, target)] + [
+            (s, c) for (_, s), (_, c) in zip(walk(source), walk(target))]
+    for source, target in both:
+        if not (hasattr(source, "save_assets")
+                and hasattr(target, "load_assets")):
+            continue
+        folder = tempfile.mkdtemp(prefix="kerasmp-assets-")
+        try:
+            source.save_assets(folder)
+            target.load_assets(folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

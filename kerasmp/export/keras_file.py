@@ -28,6 +28,7 @@ write. The format's writer (the weights in compact HDF5 groups), reader
 """
 
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -49,6 +50,7 @@ from kerasmp.export.inputs import input_specs
 from kerasmp.export.inputs import pack
 from kerasmp.export.keras_config import NotExpressible
 from kerasmp.export.keras_config import cannot_write
+from kerasmp.export.keras_config import copy_assets
 from kerasmp.export.keras_config import float32_global
 from kerasmp.export.keras_config import instead
 from kerasmp.export.keras_config import pairs
@@ -352,6 +354,7 @@ def _attempt(job, pathless_float32, plain_only):
                            "creates its variables differently")
     for s, c in zip(sources, copies):
         c.assign(to_numpy(s).astype(np.dtype(str(c.dtype))))
+    copy_assets(model, rebuilt)
     wanted = {id(c): w for c, w in zip(copies, job.variable_dtypes)}
     left = {}
     for path, _, layer in pairs(model, rebuilt):
@@ -517,9 +520,15 @@ def compiled_predict(model, arrays):
     """`model.predict` on `arrays` (flat, numpy), as a user runs a loaded
     file: compiled (a `tf.function` on TensorFlow), where TensorFlow checks
     what an eager call lets through (a float16 `range` of known length:
-    Keras's eager `arange` falls back to float32)."""
-    y = model.predict(pack(model, arrays), batch_size=PREDICT_BATCH,
-                      verbose=0)
+    Keras's eager `arange` falls back to float32).
+
+    A keras-hub task with a preprocessor (`model.preprocessor`) runs
+    Keras's own `predict`: the task's runs the preprocessor first (text
+    in), and `arrays` are what the model itself takes (token ids)."""
+    run = model.predict
+    if getattr(model, "preprocessor", None) is not None:
+        run = functools.partial(keras.Model.predict, model)
+    y = run(pack(model, arrays), batch_size=PREDICT_BATCH, verbose=0)
     return [np.asarray(t) for t in keras.tree.flatten(y)]
 
 

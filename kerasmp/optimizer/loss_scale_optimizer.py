@@ -23,6 +23,7 @@ from keras import ops
 
 from kerasmp import _keras_internals as _ki
 from kerasmp._utils.arrays import to_numpy
+from kerasmp._utils.warn import at_caller
 from kerasmp.optimizer.arguments import AUTO
 from kerasmp.optimizer.arguments import DEFAULT_GROWTH_STEPS
 from kerasmp.optimizer.arguments import DEFAULT_INITIAL_SCALE
@@ -181,13 +182,9 @@ class LossScaleOptimizer(UnbuiltState, keras.optimizers.LossScaleOptimizer):
         """
         if isinstance(optimizer, cls):
             return {key: getattr(optimizer, key) for key in SETTINGS}
-        defaults = {
-            key: parameter.default
-            for key, parameter in inspect.signature(
-                cls.__init__
-            ).parameters.items()
-            if parameter.default is not parameter.empty
-        }
+        parameters = inspect.signature(cls.__init__).parameters.items()
+        defaults = {key: p.default for key, p in parameters
+                    if p.default is not p.empty}
         return resolve(optimizer, _is_stock(optimizer), **defaults)[1]
 
     # ------------------------------------------------------------------ state
@@ -277,6 +274,7 @@ class LossScaleOptimizer(UnbuiltState, keras.optimizers.LossScaleOptimizer):
         # `kerasmp_scale_state`.
         save_stock_layout(self, store)
 
+    @at_caller  # Keras's warning where stock Keras shows it (saving_lib)
     def load_own_variables(self, store):
         if not load_layout(self, store):
             super().load_own_variables(store)  # Keras's warning, no load
@@ -552,6 +550,7 @@ class LossScaleOptimizer(UnbuiltState, keras.optimizers.LossScaleOptimizer):
         return config
 
     @classmethod
+    @at_caller
     def from_config(cls, config, custom_objects=None):
         # Accepts configs written by stock Keras's LossScaleOptimizer too:
         # theirs is a subset of ours. Does not modify `config`.

@@ -48,6 +48,7 @@ from kerasmp import _keras_internals as _ki
 from kerasmp._utils.instrument import running_layers
 from kerasmp._utils.instrument import watching_ops
 from kerasmp._utils.layers import walk
+from kerasmp._utils.warn import at_caller
 from kerasmp._utils.warn import user_stacklevel
 from kerasmp.policy.plan import plan_of
 from kerasmp.policy.policy import Float32Override
@@ -206,6 +207,7 @@ def _cure(model, inputs, layers, failure, policy):
     return None
 
 
+@at_caller  # Keras's warnings in the symbolic run, at the caller's
 def measure(model, policy, dry_run=False):
     """Finds, by symbolic runs, the layers of `model` that must compute in
     float32, and moves them (see the module docstring).

@@ -31,6 +31,7 @@ import difflib
 import os
 import sys
 
+from kerasmp._utils.warn import once_each
 from kerasmp.apps.cli.base import UsageError
 from kerasmp.apps.cli.parser import build_parser
 from kerasmp.apps.cli.parser import markdown_reference
@@ -82,7 +83,8 @@ def main(argv=None):
         sub.error(_unrecognized(sub, extra))
     prog = f"kerasmp {args.command}"
     try:
-        status = args.run(args)
+        with once_each():  # a load, rebuild or parity run warns again
+            status = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return status
     except BrokenPipeError:
