@@ -107,7 +107,6 @@ from kerasmp.policy import speed as _speed
 from kerasmp.policy import stock as _stock_policy
 from kerasmp.policy.handback import hand_back
 from kerasmp.policy.handback import handoff_dtype
-from kerasmp.policy.handback import takes_float32_inputs
 from kerasmp.policy.measure import measure_once
 from kerasmp.policy.measure import move_failed_at_build
 from kerasmp.policy.plan import plan_of
@@ -190,8 +189,6 @@ def _layer_call(self, *args, **kwargs):
         _calls.originals = {}
         _first_call(self)
     caller = callers[-1] if callers else None
-    if takes_float32_inputs(self):  # autocast=False, kept in float32
-        args, kwargs = hand_back((args, kwargs), "float32")
     callers.append(self)
     moved = None
     try:

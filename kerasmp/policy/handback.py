@@ -67,32 +67,6 @@ def handoff_dtype(layer, caller=None):
     return target
 
 
-def takes_float32_inputs(layer):
-    """Whether kerasmp casts `layer`'s floating inputs to float32 for it.
-
-    A layer that opts out of Keras's input casting (`autocast=False`, as
-    Keras's `LayerNormalization` does) receives the half-precision tensors
-    of the layers before it even when a kerasmp rule keeps it in float32.
-    Keras's `LayerNormalization` then computes in float32, rounds the
-    result to its input's dtype and casts that up to its float32 compute
-    dtype: two casts for nothing, and a "float32" output that holds only
-    half precision. kerasmp's `Layer.__call__` patch gives such a layer
-    float32 inputs instead (`hand_back(args, "float32")`), so it computes
-    from and returns float32 as its policy says, with stock Keras's number
-    of casts. True for a layer with `autocast=False` that computes in
-    float32 under a half-precision kerasmp policy.
-
-    Args:
-        layer: A `keras.layers.Layer`.
-    """
-    if getattr(layer, "autocast", True) or layer.compute_dtype != "float32":
-        return False
-    stored = stored_policy(layer)
-    if isinstance(stored, Float32Override):
-        stored = stored.policy
-    return isinstance(stored, Policy) and stored.compute_dtype in _HALF
-
-
 def _is_castable(x, target):
     if x is None or isinstance(x, keras.KerasTensor):
         return False
