@@ -31,8 +31,8 @@ def add_arguments(parser):
         "--format", choices=FORMATS, default="savedmodel",
         help="artifact format (default: savedmodel; tflite needs pip "
         "install kerasmp[tflite], onnx kerasmp[onnx]; savedmodel needs "
-        "KERAS_BACKEND=tensorflow or jax, torch (a torch.export .pt2) "
-        "KERAS_BACKEND=torch)")
+        "kerasmp[tensorflow] and KERAS_BACKEND=tensorflow or jax, torch (a "
+        "torch.export .pt2) KERAS_BACKEND=torch)")
     parser.add_argument(
         "--dtype", choices=EXPORT_DTYPES, default="float16",
         help="weight dtype (default: float16; bfloat16 not for tflite/onnx; "
