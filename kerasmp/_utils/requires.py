@@ -95,29 +95,39 @@ def keras_backend():
     """The backend Keras uses or will use, read as Keras reads it
     (`KERAS_BACKEND`, then `~/.keras/keras.json`, else `"tensorflow"`),
     without importing Keras."""
+    return _backend_and_source()[0]
+
+
+def _backend_and_source():
+    """`(backend, where it was set)`: `"KERAS_BACKEND"`, the keras.json
+    path, or `"the default"`."""
     if "keras" in sys.modules:
-        return sys.modules["keras"].backend.backend()
+        return sys.modules["keras"].backend.backend(), "Keras"
     backend = os.environ.get("KERAS_BACKEND")
     if backend:
-        return backend
+        return backend, "KERAS_BACKEND"
     home = os.environ.get("KERAS_HOME") or os.path.join(
         os.path.expanduser("~"), ".keras")
+    path = os.path.join(home, "keras.json")
     try:
-        with open(os.path.join(home, "keras.json"), encoding="utf-8") as f:
-            return json.load(f).get("backend", "tensorflow")
+        with open(path, encoding="utf-8") as f:
+            backend = json.load(f).get("backend")
     except (OSError, ValueError, AttributeError):
-        return "tensorflow"
+        backend = None
+    return (backend, path) if backend else ("tensorflow", "the default")
 
 
-def backend_message(backend):
-    """Why Keras cannot start on `backend`, in one line, or None when its
-    framework is installed (or `backend` is not one kerasmp knows)."""
+def backend_message(backend=None):
+    """Why Keras cannot start on `backend` (default: the one it will use),
+    in one line, or None when its framework is installed (or `backend` is
+    not one kerasmp knows)."""
+    backend, how = ((backend, "KERAS_BACKEND") if backend is not None
+                    else _backend_and_source())
     if backend not in FRAMEWORKS or installed(backend):
         return None
+    if backend == keras_backend():
+        how = _backend_and_source()[1]
     name, extra = FRAMEWORKS[backend]
-    how = ("KERAS_BACKEND" if "KERAS_BACKEND" in os.environ
-           else "the default" if backend == "tensorflow"
-           else "keras.json")
     others = [b for b in FRAMEWORKS if b != backend]
     return (f"Keras's backend is {backend} ({how}) and {name} is not "
             f"installed: {install_hint([backend], extra)}, or set "
@@ -128,6 +138,6 @@ def backend_message(backend):
 def require_backend():
     """Raises `NeedsExtra` when the framework of the backend Keras will use
     is not installed (before `import keras` fails deep inside Keras)."""
-    message = backend_message(keras_backend())
+    message = backend_message()
     if message:
         raise NeedsExtra(message, name=keras_backend())
