@@ -18,6 +18,7 @@ import importlib.util
 import sys
 
 # Light (standard library only): `kerasmp.doctor()` needs no framework.
+import kerasmp._utils.requires as _requires
 from kerasmp.apps.doctor import doctor
 
 __version__ = "0.1.0"
@@ -103,7 +104,17 @@ def __getattr__(name):
         module_name, attr = f"kerasmp.{name}", None  # e.g. kerasmp.policy
     else:
         raise AttributeError(f"module 'kerasmp' has no attribute {name!r}")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # Keras failed to import for want of its backend's framework
+        # (TensorFlow, the default, is an extra): say so in one line.
+        if "keras" in sys.modules or e.name is None:
+            raise
+        message = _requires.backend_message(e.name.split(".")[0])
+        if message is None:
+            raise
+        raise _requires.NeedsExtra(message, name=e.name) from None
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value

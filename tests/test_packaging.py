@@ -49,6 +49,31 @@ def test_readme_installs_torch_as_the_extra_pins_it():
             assert spec.strip("\"'") == pin, (name, spec)
 
 
+def _requirement_names(requirements):
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower()
+            for r in requirements}
+
+
+def test_tensorflow_is_an_extra_not_a_base_dependency():
+    """A PyTorch or JAX user installs no TensorFlow (1.9 GB, issue 44 item
+    8): it is the `tensorflow` extra, which `dev` (the test command) and
+    `tflite` (its TensorFlow/JAX route) include; the `torch` and `jax`
+    extras do not."""
+    tomllib = pytest.importorskip("tomllib")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "tensorflow" not in _requirement_names(project["dependencies"])
+    extras = {name: _requirement_names(reqs) for name, reqs
+              in project["optional-dependencies"].items()}
+    for extra in ("tensorflow", "dev", "tflite", "cuda"):
+        assert "tensorflow" in extras[extra], extra
+    for extra in ("torch", "jax", "plot", "tflite-torch"):
+        assert "tensorflow" not in extras[extra], extra
+    readme = (ROOT / "README.md").read_text()
+    assert 'pip install "kerasmp[tensorflow]"' in readme
+    assert "`tensorflow` | tensorflow |" in readme
+
+
 def test_license_file_is_declared_and_is_the_apache_text():
     """pyproject.toml says Apache-2.0; the LICENSE it names (PEP 639
     `license-files`) is there and is the Apache License 2.0's text."""

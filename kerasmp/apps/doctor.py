@@ -19,6 +19,7 @@ from kerasmp._utils.cpu_speed import measured
 from kerasmp._utils.devices import Device  # noqa: F401  (a doctor's Device)
 from kerasmp._utils.devices import cpu_flags
 from kerasmp._utils.devices import visible_devices
+from kerasmp._utils.requires import require_backend
 
 
 @dataclasses.dataclass
@@ -275,6 +276,7 @@ def doctor(bench=None):
 
     >>> print(kerasmp.doctor())
     """
+    require_backend()  # one line naming the extra, not Keras's traceback
     import keras
 
     backend = keras.backend.backend()

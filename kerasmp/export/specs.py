@@ -10,12 +10,14 @@ that registry. One list of formats for all of them.
 """
 
 import dataclasses
-import importlib.util
 import os
 
 import kerasmp.export.publish as _publish
 from kerasmp._utils.paths import as_path
 from kerasmp._utils.paths import check_output
+from kerasmp._utils.requires import NeedsExtra
+from kerasmp._utils.requires import install_hint
+from kerasmp._utils.requires import installed
 
 HALF_DTYPES = ("float16", "bfloat16")
 EXPORT_DTYPES = HALF_DTYPES + ("float32",)
@@ -96,7 +98,7 @@ SPECS = {s.name: s for s in (
         half_dtypes=HALF_DTYPES, source="half",
         help="SavedModel folder, serving_default signature",
         read_with="`tf.saved_model.load` (no Keras, no kerasmp)",
-        packages=("tensorflow",), extra=None, io_dtypes=IO_DTYPES,
+        packages=("tensorflow",), extra="tensorflow", io_dtypes=IO_DTYPES,
     ),
     FormatSpec(
         name="tflite", suffix=".tflite", backends=BACKENDS,
@@ -143,8 +145,7 @@ def _check_choice(value, allowed, argname, context=""):
 def missing_packages(format, backend=None):
     """The packages `format` needs on `backend` that are not installed
     (import names)."""
-    return [p for p in SPECS[format].needs(backend)[0]
-            if importlib.util.find_spec(p) is None]
+    return [p for p in SPECS[format].needs(backend)[0] if not installed(p)]
 
 
 def writable_formats(backend):
@@ -193,6 +194,9 @@ def _check_backend(format, backend):
         "torch": "a .pt2 is a torch.export program of the PyTorch backend",
     }.get(format, "no converter takes its graph")
     where = " or ".join(spec.backends)
+    if "tensorflow" in spec.packages and not installed("tensorflow"):
+        # The backends that can write it need TensorFlow too.
+        where += f" with {install_hint(['tensorflow'], 'tensorflow')}"
     raise ValueError(
         f"format={format!r} cannot be written from the "
         f"{BACKEND_NAMES.get(backend, backend)} backend ({why}): set "
@@ -260,15 +264,13 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
     missing = missing_packages(format, backend)
     if missing:
         _, extra = spec.needs(backend)
-        hint = (f"pip install kerasmp[{extra}]" if extra else "pip install "
-                + " ".join(PIP_NAMES.get(m, m) for m in missing))
+        hint = install_hint([PIP_NAMES.get(m, m) for m in missing], extra)
         on = (" on the PyTorch backend" if backend == "torch"
               and spec.torch_packages is not None else "")
         verb = "is" if len(missing) == 1 else "are"
-        raise ImportError(
+        raise NeedsExtra(
             f"format={format!r}{on} needs {words(missing)}, which {verb} "
-            f"not installed: {hint}."
-        )
+            f"not installed: {hint}", name=missing[0])
     folder = spec.suffix is None
     path = as_path(path, kind="folder" if folder else "file")
     _check_suffix(path, format)

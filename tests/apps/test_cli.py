@@ -483,7 +483,8 @@ def test_readme_cli_reference_is_generated_from_the_parser():
     for fmt in FORMATS:
         assert fmt in block
     # The two commands .ci/run reads stay as they are.
-    assert ("<!-- ci:demo -->\n```bash\npip install -e \".[plot]\" && "
+    assert ("<!-- ci:demo -->\n```bash\npip install -e "
+            "\".[tensorflow,plot]\" && "
             "kerasmp demo\n```") in text
     assert ("<!-- ci:test -->\n```bash\npip install -e \".[dev]\" && "
             "bash tests/run.sh -q\n```") in text

@@ -8,6 +8,8 @@ References: the float32 model built with the same weights
 (`tf.saved_model.load`, the LiteRT interpreter, onnxruntime).
 """
 
+import importlib.util
+
 import keras
 import numpy as np
 import pytest
@@ -36,11 +38,12 @@ def test_weight_ratio_all_eligible(tmp_path):
 
 
 def test_dependencies_checked_before_any_work(tmp_path, monkeypatch):
-    real = _format_specs.importlib.util.find_spec
+    real = importlib.util.find_spec
     monkeypatch.setattr(
-        _format_specs.importlib.util, "find_spec",
+        importlib.util, "find_spec",
         lambda name, *a: None if name == "ai_edge_litert" else real(name, *a))
-    with pytest.raises(ImportError, match=r"pip install kerasmp\[tflite\]"):
+    with pytest.raises(ImportError,
+                       match=r'pip install "kerasmp\[tflite\]"'):
         # not even a model: the check comes first
         kx.export(None, str(tmp_path / "m.tflite"), format="tflite")
     with pytest.raises(ImportError, match=r"ai_edge_litert"):
@@ -63,16 +66,16 @@ def test_missing_packages_named_in_words(tmp_path, monkeypatch, missing,
     """One missing package "is" not installed, several "are", listed as
     words ("a, b and c"), whatever the backend (the names of PyTorch's
     ONNX route, checked by name, not by running it)."""
-    real = _format_specs.importlib.util.find_spec
+    real = importlib.util.find_spec
     monkeypatch.setattr(
-        _format_specs.importlib.util, "find_spec",
+        importlib.util, "find_spec",
         lambda name, *a: None if name in missing else real(name, *a))
     with pytest.raises(ImportError) as raised:
         _format_specs.check_target(str(tmp_path / "m.onnx"), "onnx",
                                    backend="torch")
     assert str(raised.value) == (
         f"format='onnx' on the PyTorch backend needs {words}: "
-        "pip install kerasmp[onnx].")
+        'pip install "kerasmp[onnx]"')
 
 
 @pytest.mark.tensorflow

@@ -166,7 +166,7 @@ def test_tflite_from_torch_needs_litert_torch_first(tmp_path, monkeypatch):
             _specs.check_target(str(tmp_path / "m.tflite"), "tflite",
                                 backend="torch")
     assert "litert_torch" in str(info.value)
-    assert "pip install kerasmp[tflite-torch]" in str(info.value)
+    assert 'pip install "kerasmp[tflite-torch]"' in str(info.value)
     assert list(tmp_path.iterdir()) == []
 
 

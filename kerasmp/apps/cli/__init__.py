@@ -8,7 +8,8 @@ valid, with TensorFlow's C++/absl start-up logs silenced unless `--verbose`
 is given or `TF_CPP_MIN_LOG_LEVEL` is set.
 
 User errors (a missing, unreadable or wrong kind of file, a bad flag value,
-an unwritable or existing output) print one line naming the file or flag and
+an unwritable or existing output, a framework the command needs that is not
+installed) print one line naming the file or flag and
 what was expected, exit with status 2 and write nothing. Output paths and
 their suffixes are checked before any model is loaded. A traceback means a
 bug in kerasmp: without `--debug` it is summarized in one line (exit 1);
@@ -31,6 +32,7 @@ import difflib
 import os
 import sys
 
+from kerasmp._utils.requires import NeedsExtra
 from kerasmp._utils.warn import once_each
 from kerasmp.apps.cli.base import UsageError
 from kerasmp.apps.cli.parser import build_parser
@@ -93,7 +95,9 @@ def main(argv=None):
         # at exit.
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for `cat | head`
-    except UsageError as e:
+    except (UsageError, NeedsExtra) as e:
+        # NeedsExtra: a framework the command needs is not installed (one
+        # line naming the `pip install "kerasmp[...]"` extra).
         if args.debug:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -2,9 +2,9 @@
 tflite, onnx, torch) with a parity report (`kerasmp.export`)."""
 
 import json
-import os
 import sys
 
+from kerasmp._utils.requires import keras_backend
 from kerasmp.apps.cli.base import Command
 from kerasmp.apps.cli.base import UsageError
 from kerasmp.apps.cli.base import cli_words
@@ -31,8 +31,8 @@ def add_arguments(parser):
         "--format", choices=FORMATS, default="savedmodel",
         help="artifact format (default: savedmodel; tflite needs pip "
         "install kerasmp[tflite], onnx kerasmp[onnx]; savedmodel needs "
-        "KERAS_BACKEND=tensorflow or jax, torch (a torch.export .pt2) "
-        "KERAS_BACKEND=torch)")
+        "kerasmp[tensorflow] and KERAS_BACKEND=tensorflow or jax, torch (a "
+        "torch.export .pt2) KERAS_BACKEND=torch)")
     parser.add_argument(
         "--dtype", choices=EXPORT_DTYPES, default="float16",
         help="weight dtype (default: float16; bfloat16 not for tflite/onnx; "
@@ -69,22 +69,6 @@ def add_arguments(parser):
                         help="print the report as JSON")
 
 
-def _keras_backend():
-    """The backend Keras will use, read as Keras reads it (no import)."""
-    if "keras" in sys.modules:
-        return sys.modules["keras"].backend.backend()
-    backend = os.environ.get("KERAS_BACKEND")
-    if backend:
-        return backend
-    home = os.environ.get("KERAS_HOME") or os.path.join(
-        os.path.expanduser("~"), ".keras")
-    try:
-        with open(os.path.join(home, "keras.json"), encoding="utf-8") as f:
-            return json.load(f).get("backend", "tensorflow")
-    except (OSError, ValueError, AttributeError):
-        return "tensorflow"
-
-
 def _keep_float32(patterns):
     """`--keep-float32` as `export` takes it: the patterns, or "tune"
     alone."""
@@ -100,7 +84,7 @@ def run(args):
     keep_float32 = _keep_float32(args.keep_float32)
     try:
         check_target(args.out, args.format, args.overwrite, args.dtype,
-                     backend=_keras_backend(), io_dtype=args.io_dtype,
+                     backend=keras_backend(), io_dtype=args.io_dtype,
                      source=args.model)
     except (ValueError, TypeError, ImportError, OSError) as e:
         raise UsageError(cli_words(str(e))) from None

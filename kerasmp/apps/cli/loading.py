@@ -9,13 +9,14 @@ Keras/kerasmp or holds a Python lambda (`unsafe_contents`), unless
 reads a `--sample` `.npy`/`.npz` file without unpickling anything.
 """
 
-import importlib.util
 import json
 import os
 import re
 import sys
 import zipfile
 
+from kerasmp._utils.requires import installed
+from kerasmp._utils.requires import require_backend
 from kerasmp._utils.stderr import fd2_silenced
 from kerasmp.apps.cli.base import UsageError
 
@@ -46,18 +47,25 @@ def import_keras(verbose, tensorflow_too=False):
         tensorflow_too: Whether the command will import TensorFlow on
             another backend anyway (Keras's `set_random_seed` and its saving
             code import it when it is installed): it is imported here, with
-            its start-up lines (oneDNN, cuInit) silenced.
+            its start-up lines (oneDNN, cuInit) silenced. Without TensorFlow
+            (a `kerasmp[torch]` or `kerasmp[jax]` install) nothing is
+            imported.
 
     Returns:
         The `keras` module.
+
+    Raises:
+        NeedsExtra: the backend's framework is not installed (Keras's
+            default backend is TensorFlow, no longer a base dependency):
+            one line naming the extra, instead of Keras's traceback.
     """
+    require_backend()
     quiet = _quiet_logs(verbose)
     with fd2_silenced(quiet and "keras" not in sys.modules):
         import keras
 
         if quiet and (keras.backend.backend() == "tensorflow" or (
-                tensorflow_too
-                and importlib.util.find_spec("tensorflow") is not None)):
+                tensorflow_too and installed("tensorflow"))):
             import tensorflow as tf
 
             tf.get_logger().setLevel("ERROR")
