@@ -276,6 +276,48 @@ def time_fit(model, x, y, batch_size, repeats):
     return rates, loss
 
 
+def measured_row(model, name, description, policy, compute_dtype,
+                 batch_size, steps, rates, loss, act, peak=(None,) * 3):
+    """One row of the benchmark's JSON, for `model` timed under `policy`.
+
+    Args:
+        model: The compiled model that was timed.
+        name: The model's name in the table.
+        description: One line on the model.
+        policy: The policy's name.
+        compute_dtype: The compute dtype the row reports.
+        batch_size: The batch size.
+        steps: Steps per timed call.
+        rates: Steps per second of each timed call (`time_fit`).
+        loss: The last timed call's loss.
+        act: Activation bytes (`activation_bytes`), or None.
+        peak: `(peak_bytes, peak_source, device_peak_bytes_in_use)`.
+    """
+    steps_per_s = statistics.median(rates)
+    peak_bytes, peak_source, device_peak = peak
+    return {
+        "model": name,
+        "description": description,
+        "policy": policy,
+        "compute_dtype": compute_dtype,
+        "batch_size": batch_size,
+        "params": int(model.count_params()),
+        "steps": steps,
+        "repeats": len(rates),
+        "steps_per_s": steps_per_s,
+        "steps_per_s_repeats": rates,
+        "samples_per_s": steps_per_s * batch_size,
+        "activation_bytes": act,
+        "peak_bytes": peak_bytes,
+        "peak_source": peak_source,
+        "device_peak_bytes_in_use": device_peak,
+        "final_loss": None if loss is None else float(loss),
+        "loss_finite": loss is not None and math.isfinite(float(loss)),
+        "loss_scale": getattr(model.optimizer, "loss_scale", None),
+        "float8_layers": 0,
+    }
+
+
 def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
     """Measures one model under one policy.
 
@@ -324,29 +366,12 @@ def bench_one(spec, policy, steps, repeats, seed=0, learning_rate=1e-3):
             peak = _jax_step_bytes(model, *batch)
             peak_source = "XLA memory_analysis of the train step"
             device_peak = _jax_device_peak()
-    act = activation_bytes(model, x[: spec.batch_size])
-    steps_per_s = statistics.median(rates)
-    row = {
-        "model": spec.name,
-        "description": spec.describe(),
-        "policy": policy,
-        "compute_dtype": model.get_layer("logits").compute_dtype,
-        "batch_size": spec.batch_size,
-        "params": int(model.count_params()),
-        "steps": steps,
-        "repeats": repeats,
-        "steps_per_s": steps_per_s,
-        "steps_per_s_repeats": rates,
-        "samples_per_s": steps_per_s * spec.batch_size,
-        "activation_bytes": act,
-        "peak_bytes": peak,
-        "peak_source": peak_source,
-        "device_peak_bytes_in_use": device_peak,
-        "final_loss": None if loss is None else float(loss),
-        "loss_finite": loss is not None and math.isfinite(float(loss)),
-        "loss_scale": getattr(model.optimizer, "loss_scale", None),
-        "float8_layers": len(float8_layers(model)),
-    }
+    row = measured_row(
+        model, spec.name, spec.describe(), policy,
+        model.get_layer("logits").compute_dtype, spec.batch_size, steps,
+        rates, loss, activation_bytes(model, x[: spec.batch_size]),
+        peak=(peak, peak_source, device_peak))
+    row["float8_layers"] = len(float8_layers(model))
     del model
     keras.backend.clear_session()
     return row

@@ -16,8 +16,6 @@ is where a policy's time goes. The result has the zoo benchmark's form, so
 """
 
 import datetime
-import math
-import statistics
 import time
 
 import keras
@@ -31,6 +29,7 @@ from kerasmp.apps.bench import add_ratios
 from kerasmp.apps.bench import advice_for
 from kerasmp.apps.bench import default_policies
 from kerasmp.apps.bench import kerasmp_version
+from kerasmp.apps.bench import measured_row
 from kerasmp.apps.bench import time_fit
 from kerasmp.apps.choices import BENCH_POLICIES
 from kerasmp.export.inputs import pack
@@ -133,29 +132,10 @@ def bench_policy(model, name, inputs, batch_size, repeats, label,
         act = activation_bytes(copy, _head(x, batch_size))
     except Exception:  # noqa: BLE001 (a model the layer count cannot read)
         act = None
-    steps_per_s = statistics.median(rates)
-    row = {
-        "model": label,
-        "description": f"the user's model, {copy.count_params():,} "
-                       f"parameters, batch {batch_size}",
-        "policy": name,
-        "compute_dtype": _compute_dtype(copy),
-        "batch_size": batch_size,
-        "params": int(copy.count_params()),
-        "steps": n // batch_size,
-        "repeats": repeats,
-        "steps_per_s": steps_per_s,
-        "steps_per_s_repeats": rates,
-        "samples_per_s": steps_per_s * batch_size,
-        "activation_bytes": act,
-        "peak_bytes": None,
-        "peak_source": None,
-        "device_peak_bytes_in_use": None,
-        "final_loss": None if final is None else float(final),
-        "loss_finite": final is not None and math.isfinite(float(final)),
-        "loss_scale": getattr(copy.optimizer, "loss_scale", None),
-        "float8_layers": 0,
-    }
+    row = measured_row(
+        copy, label, f"the user's model, {copy.count_params():,} "
+        f"parameters, batch {batch_size}", name, _compute_dtype(copy),
+        batch_size, n // batch_size, rates, final, act)
     del copy
     keras.backend.clear_session()
     return row
