@@ -58,10 +58,10 @@ _XEON = "Intel Xeon with AMX, 2026-12-07"
 # One row per backend and setting, from `benchmarks/cpu_bfloat16.py
 # --threads 1` (CPU time per step; kerasmp's mixed_bfloat16 over float32).
 MEASURED = (
-    Speedup("tensorflow", "default", 1.80, 1.19, _XEON),
-    Speedup("tensorflow", "jit", 0.85, 0.95, _XEON),
-    Speedup("torch", "default", 1.52, 1.14, _XEON),
-    Speedup("jax", "default", 0.97, 0.97, _XEON),
+    Speedup("tensorflow", "default", 1.85, 1.15, _XEON),
+    Speedup("tensorflow", "jit", 0.89, 0.96, _XEON),
+    Speedup("torch", "default", 1.42, 1.19, _XEON),
+    Speedup("jax", "default", 0.91, 0.93, _XEON),
 )
 
 
