@@ -46,7 +46,7 @@ BENCH_PRESETS = {
     # A CPU, at the widths of real models (bfloat16's speed on a CPU with
     # AVX512_BF16/AMX shows there; the quick preset's tiny models measure
     # their overhead): a 2-block transformer of width 256 and a CNN of
-    # 64-128-256 filters on 32x32 images. About 3 minutes on 2 cores.
+    # 64-128-256 filters on 32x32 images: a few minutes on 2 cores.
     "cpu": dict(
         models={
             "transformer": dict(batch_size=32, width=256, depth=2,
