@@ -79,7 +79,7 @@ from `kerasmp._keras_internals`:
    `steps_per_epoch` was given, as Keras 3.16's iterator does (where the
    patch changes nothing).
 7. The progress bar. `keras.utils.Progbar.update` prints `skipped_steps`
-   as the count it is (`kerasmp._progbar`), not `0.0000e+00`.
+   as the count it is (`kerasmp.train_step.progbar`), not `0.0000e+00`.
 
 Each patch that calls the Keras function it replaces, except those that run
 at every call (`Layer.__call__`, the CPU attention), is decorated with
@@ -95,7 +95,6 @@ import threading
 import keras
 
 from kerasmp import _keras_internals as _ki
-from kerasmp import _progbar
 from kerasmp import train_step as _train_step
 from kerasmp._utils.warn import at_caller
 from kerasmp.float8.layers import assign_layers
@@ -116,6 +115,7 @@ from kerasmp.policy.rules import activation_name
 from kerasmp.policy.workers import check_workers_agree
 from kerasmp.policy.workers import describe_loss_scale
 from kerasmp.policy.workers import loss_scale_settings
+from kerasmp.train_step import progbar as _progbar
 
 _originals = {}  # what install() replaced, for uninstall()
 

@@ -1,6 +1,6 @@
-"""kerasmp/_progbar.py: Keras's `Progbar` prints `skipped_steps` as a count,
-only that key, only while kerasmp's patches are installed. (The fit-level
-check, on every backend and both verbose modes, is
+"""kerasmp/train_step/progbar.py: Keras's `Progbar` prints `skipped_steps`
+as a count, only that key, only while kerasmp's patches are installed.
+(The fit-level check, on every backend and both verbose modes, is
 tests/train_step/test_train_step.py's progress-bar test.)"""
 
 import keras

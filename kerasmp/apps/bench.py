@@ -403,6 +403,30 @@ def default_policies(device_kind):
     return BENCH_DEFAULT_POLICIES
 
 
+def checked_policies(policies, device_kind):
+    """`policies` as a tuple (None: `default_policies(device_kind)`),
+    checked: distinct values from `BENCH_POLICIES`."""
+    policies = tuple(default_policies(device_kind) if policies is None
+                     else policies)
+    bad = [p for p in policies if p not in BENCH_POLICIES]
+    if bad or not policies or len(set(policies)) != len(policies):
+        raise ValueError(f"Invalid `policies` {bad or policies}: distinct "
+                         f"values from {', '.join(BENCH_POLICIES)}.")
+    return policies
+
+
+def check_counts(**counts):
+    """Raises a ValueError naming the argument unless each of `steps`
+    (>= 2), `repeats` and `batch_size` (>= 1) given is None or an int."""
+    lows = {"steps": 2, "repeats": 1, "batch_size": 1}
+    for arg, value in counts.items():
+        low = lows[arg]
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, int) or value < low):
+            raise ValueError(f"`{arg}` must be an integer >= {low}. "
+                             f"Received: {value!r}")
+
+
 def run_bench(preset="default", models=None, policies=None,
               steps=None, repeats=None, batch_size=None, verbose=True,
               run_order=None, on_progress=None):
@@ -453,26 +477,14 @@ def run_bench(preset="default", models=None, policies=None,
             )
         specs = tuple(s for s in specs if s.name in models)
     kind, device_name = accelerator()
-    policies = tuple(default_policies(kind) if policies is None
-                     else policies)
-    bad = [p for p in policies if p not in BENCH_POLICIES]
-    if bad or not policies or len(set(policies)) != len(policies):
-        raise ValueError(f"Invalid `policies` {bad or policies}: distinct "
-                         f"values from {', '.join(BENCH_POLICIES)}.")
+    policies = checked_policies(policies, kind)
     run_order = policies if run_order is None else tuple(run_order)
     if sorted(run_order) != sorted(policies):
         raise ValueError(f"Invalid `run_order` {run_order}: it must hold the "
                          f"same policies as `policies` {policies}.")
     steps = PRESETS[preset]["steps"] if steps is None else steps
     repeats = PRESETS[preset]["repeats"] if repeats is None else repeats
-    for arg, value, low in (("steps", steps, 2), ("repeats", repeats, 1),
-                            ("batch_size", batch_size, 1)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or (
-                value < low):
-            raise ValueError(f"`{arg}` must be an integer >= {low}. "
-                             f"Received: {value!r}")
+    check_counts(steps=steps, repeats=repeats, batch_size=batch_size)
     if batch_size is not None:
         specs = tuple(dataclasses.replace(s, batch_size=batch_size)
                       for s in specs)

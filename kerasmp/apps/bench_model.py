@@ -27,11 +27,11 @@ from kerasmp.apps.bench import accelerator
 from kerasmp.apps.bench import activation_bytes
 from kerasmp.apps.bench import add_ratios
 from kerasmp.apps.bench import advice_for
-from kerasmp.apps.bench import default_policies
+from kerasmp.apps.bench import check_counts
+from kerasmp.apps.bench import checked_policies
 from kerasmp.apps.bench import kerasmp_version
 from kerasmp.apps.bench import measured_row
 from kerasmp.apps.bench import time_fit
-from kerasmp.apps.choices import BENCH_POLICIES
 from kerasmp.export.inputs import pack
 from kerasmp.export.inputs import parity_inputs
 from kerasmp.export.keras_config import replace_policies
@@ -172,18 +172,8 @@ def run_model_bench(model, sample=None, policies=None, steps=10, repeats=3,
     ```
     """
     kind, device_name = accelerator()
-    policies = tuple(default_policies(kind) if policies is None
-                     else policies)
-    bad = [p for p in policies if p not in BENCH_POLICIES]
-    if bad or not policies or len(set(policies)) != len(policies):
-        raise ValueError(f"Invalid `policies` {bad or policies}: distinct "
-                         f"values from {', '.join(BENCH_POLICIES)}.")
-    for arg, value, low in (("steps", steps, 2), ("repeats", repeats, 1),
-                            ("batch_size", batch_size, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(
-                value, int) or value < low):
-            raise ValueError(f"`{arg}` must be an integer >= {low}. "
-                             f"Received: {value!r}")
+    policies = checked_policies(policies, kind)
+    check_counts(steps=steps, repeats=repeats, batch_size=batch_size)
     label = label or model.name
     if batch_size is None:
         batch_size = DEFAULT_BATCH if sample is None else min(

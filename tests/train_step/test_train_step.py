@@ -176,7 +176,8 @@ def test_the_progress_bar_shows_the_logged_scale_and_skips(
         capsys, mixed_policy, verbose):
     # docs/monitoring.md ("Limits"): Keras's Progbar prints every log value
     # as a float, a value <= 1e-3 in exponent form; kerasmp's progress bar
-    # patch (kerasmp/_progbar.py) prints `skipped_steps` as the count it is.
+    # patch (kerasmp/train_step/progbar.py) prints `skipped_steps` as the
+    # count it is.
     x, y = _data()
     model = _model(jit=False, spe=1)
     with warnings.catch_warnings():
