@@ -55,6 +55,7 @@ from kerasmp.policy.policy import Float32Override
 from kerasmp.policy.policy import Policy
 from kerasmp.policy.policy import stored_policy
 from kerasmp.policy.rules import outputs_as_computed
+from kerasmp.policy.saving import portable_policy_name
 
 MAX_MOVES = 8
 """The most layers one `measure` moves to float32 because they failed."""
@@ -267,43 +268,63 @@ def _is_measured(rule):
 
 
 def _record(model, policy, inputs, layers):
-    """Records the layers measurement moved to float32 (with the
-    sublayers they handed their override) in the governing policy of
-    `model`'s layers (`Policy.with_measured`), so that a saved file
-    reloads them in float32, with kerasmp or without
-    (`kerasmp.policy.saving.stock_measured`)."""
+    """Records, in the governing policy of `model`'s layers
+    (`Policy.with_measured`), the float32 layers a saved file must name by
+    path, so that it reloads them in float32 with kerasmp or without
+    (`kerasmp.policy.saving.stock_measured`):
+
+    - the layers measurement moved to float32 (with the sublayers they
+      handed their override that kept half precision), portable or not;
+    - the layers kerasmp's rules keep in float32 (an RMS norm, a softmax)
+      that plain Keras reloads in float32 only if a file says so by path,
+      because their parent creates them in its own code with its own
+      policy: those stock Keras computes as kerasmp does (`_portable`).
+      Keras's own normalization layers are not among them: they compute
+      in float32 inside under the mixed policy they are saved with
+      (`kerasmp.policy.saving.portable_policy_name`).
+    """
     moved = {}  # Layer.path -> (layer, rule)
-    for _, layer in layers:
+    ruled = {}
+    at = dict(layers)
+    for path, layer in layers:
         resolved = layer.dtype_policy
-        if (isinstance(resolved, Float32Override)
-                and _is_measured(resolved.rule) and layer.path):
+        if not (isinstance(resolved, Float32Override) and layer.path):
+            continue
+        if _is_measured(resolved.rule):
             moved[layer.path] = (layer, resolved.rule)
-    if not moved and not policy.measured:
+        elif (portable_policy_name(resolved) == "float32"
+              and not _rebuilt_from_own_config(
+                  at.get(path.rpartition("/")[0], model))):
+            ruled[layer.path] = (layer, resolved.rule)
+    if not moved and not ruled and not policy.measured:
         return
-    portable = _portable(model, inputs, layers, moved)
+    portable = _portable(model, inputs, layers, {**moved, **ruled})
     # A moved layer hands its override to the sublayers it creates when it
     # is rebuilt: those that computed in half precision are recorded too.
     half = {sub.path: {"half": True} for layer, _ in moved.values()
             for _, sub in walk(layer)
             if sub.path and sub.compute_dtype in _HALF}
-    recorded = policy.with_measured({**half, **{
-        path: {"rule": rule, "portable": path in portable}
-        for path, (_, rule) in moved.items()}})
+    recorded = policy.with_measured({
+        **half,
+        **{path: {"rule": rule, "portable": True}
+           for path, (_, rule) in ruled.items() if path in portable},
+        **{path: {"rule": rule, "portable": path in portable}
+           for path, (_, rule) in moved.items()}})
     for layer in [model] + [layer for _, layer in layers]:
         stored = stored_policy(layer)
         if isinstance(stored, Policy) and stored == policy:
             layer.dtype_policy = recorded
 
 
-def _output_dtypes(model, inputs, layers, as_computed=()):
-    """`{path: dtypes}` of what each layer's `call` returned in one symbolic
-    run, with `as_computed` handing their outputs on as stock Keras does;
-    None when the run raised."""
+def _outputs(model, inputs, layers, as_computed=()):
+    """`{path: ((dtype, tensor), ...)}` of what each layer's `call`
+    returned in one symbolic run, with `as_computed` handing their outputs
+    on as stock Keras does; None when the run raised."""
     seen = {}
 
     def around(path, call, args, kwargs):
         outputs = call(*args, **kwargs)
-        seen[path] = tuple(str(getattr(t, "dtype", type(t).__name__))
+        seen[path] = tuple((str(getattr(t, "dtype", type(t).__name__)), t)
                            for t in keras.tree.flatten(outputs))
         return outputs
 
@@ -315,29 +336,37 @@ def _output_dtypes(model, inputs, layers, as_computed=()):
     return seen
 
 
+def _dtypes(outputs):
+    return tuple(dtype for dtype, _ in outputs or ())
+
+
 def _portable(model, inputs, layers, moved):
     """The paths of `moved` that stock Keras, which hands a float32 layer's
     outputs on as computed, reloads as kerasmp computes them: in a symbolic
     run without kerasmp's hand-backs every other layer returns the same
     dtypes as under kerasmp (the caller casts them, or a layer takes them
-    next). A group (a moved layer and the moved layers inside it) whose
-    float32 outputs meet float16 ones in its caller's own arithmetic
-    (GPT-OSS's router scores times its experts' outputs: TensorFlow raises)
-    is not portable; nor is one whose float16 sublayers' outputs meet its
-    own float32 arithmetic (Qwen3-MoE's experts in its moved block)."""
+    next), or, for a container (a keras-hub backbone ending in its final
+    norm), hands a moved layer's output on as it is (the layers that take
+    it are compared in turn). A group (a moved layer and the moved layers
+    inside it) whose float32 outputs meet float16 ones in its caller's own
+    arithmetic (GPT-OSS's router scores times its experts' outputs:
+    TensorFlow raises) is not portable; nor is one whose float16 sublayers'
+    outputs meet its own float32 arithmetic (Qwen3-MoE's experts in its
+    moved block)."""
     if not moved:
         return set()
-    reference = _output_dtypes(model, inputs, layers)
+    reference = _outputs(model, inputs, layers)
     if reference is None:
         return set()
 
     # Stock Keras hands back nothing: neither the group's float32 outputs
-    # nor a half-precision sublayer's to a float32 caller. (Layers kerasmp's
-    # rules keep in float32 reload under the mixed policy, which returns
-    # half precision: their hand-back stands for that.)
+    # nor a half-precision sublayer's to a float32 member of the group.
+    # (Float32 layers outside the group reload under the mixed policy, with
+    # their sublayers: their hand-backs, and those of the half-precision
+    # sublayers inside them, stand for that.)
     half = [layer for _, layer in layers if layer.compute_dtype in _HALF]
     paths = {id(layer): path for path, layer in layers}
-    if not any(any(h in d for d in reference.get(paths[id(layer)], ())
+    if not any(any(h in d for d in _dtypes(reference.get(paths[id(layer)]))
                    for h in _HALF) for layer in half):
         # The trace does not show half precision where it is computed
         # (PyTorch's meta-device trace gives float32 throughout): it cannot
@@ -346,22 +375,67 @@ def _portable(model, inputs, layers, moved):
 
     def keeps_dtypes(group):
         members = {id(moved[p][0]) for p in group}
-        seen = _output_dtypes(model, inputs, layers,
-                              [moved[p][0] for p in group] + half)
-        return seen is not None and all(
-            seen.get(path) == reference.get(path)
-            for path, layer in layers if id(layer) not in members)
+        inside = [sub for p in group for _, sub in walk(moved[p][0])
+                  if sub.compute_dtype in _HALF]
+        seen = _outputs(model, inputs, layers,
+                        [moved[p][0] for p in group] + inside)
+        if seen is None:
+            return False
+        theirs = {id(t) for p in group
+                  for _, t in seen.get(paths[id(moved[p][0])], ())}
+        for path, layer in layers:
+            if id(layer) in members:
+                continue
+            got, want = seen.get(path), _dtypes(reference.get(path))
+            if _dtypes(got) == want:
+                continue
+            if got is None or len(got) != len(want) or not all(
+                    dtype == was or id(t) in theirs
+                    for (dtype, t), was in zip(got, want)):
+                return False
+        return True
 
-    if keeps_dtypes(moved):
-        return set(moved)
     roots = [p for p in moved if not any(
         p.startswith(q + "/") for q in moved if q != p)]
-    portable = set()
-    for root in roots[:MAX_MOVES]:
-        group = [p for p in moved if p == root or p.startswith(root + "/")]
-        if keeps_dtypes(group):
-            portable.update(group)
-    return portable
+    groups = [[p for p in moved if p == root or p.startswith(root + "/")]
+              for root in roots]
+    return set(_passing(groups, keeps_dtypes))
+
+
+def _passing(groups, passes):
+    """The paths of the `groups` (lists of paths) that `passes` together:
+    all of them if they pass at once, else those found by halving (a few
+    symbolic runs for many norms and one router that cannot move), then
+    checked together once more, and, should they interfere, added one group
+    at a time."""
+
+    def halve(part):
+        flat = [p for group in part for p in group]
+        if not part or passes(flat):
+            return part
+        if len(part) == 1:
+            return []
+        mid = len(part) // 2
+        return halve(part[:mid]) + halve(part[mid:])
+
+    found = halve(groups)
+    flat = [p for group in found for p in group]
+    if len(found) == len(groups) or not found or passes(flat):
+        return flat
+    kept = []
+    for group in found:
+        if passes(kept + group):
+            kept += group
+    return kept
+
+
+def _rebuilt_from_own_config(parent):
+    """Whether `parent` (a `Functional` or `Sequential` model with Keras's
+    own `get_config`) saves its sublayers' configs and rebuilds each from
+    its own, dtype included; other layers, keras-hub's backbones among
+    them, create their sublayers in code and hand them their own policy."""
+    return type(parent).get_config in (
+        _ki.functional_class().get_config, keras.Sequential.get_config)
 
 
 def move_failed_at_build(layer, error):

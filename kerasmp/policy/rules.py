@@ -242,7 +242,7 @@ def measured_entries(measured):
     """The checked `measured` argument of `Policy`: `{path: {"rule": str,
     "portable": bool}}` for a layer moved to float32, `{"half": True}` for
     a sublayer of one that computes in the governing policy."""
-    if measured is None:
+    if measured is None or (isinstance(measured, dict) and not measured):
         return {}
     entries = {}
     items = measured.items() if isinstance(measured, dict) else None

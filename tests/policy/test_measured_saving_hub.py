@@ -2,7 +2,8 @@
 measurement moves to float32 reload in float32 with kerasmp, from the
 start; without kerasmp the file loads compiled and trains, with the router
 in float16: stock Keras cannot compute it as kerasmp does there
-(`kerasmp.policy.measure._portable`)."""
+(`kerasmp.policy.measure._portable`). The nested RMS norms can: they
+reload in float32 without kerasmp too."""
 
 import json
 import os
@@ -80,7 +81,13 @@ def test_measured_moves_survive_a_reload(name, tmp_path):
     model.compile("adam", "mse")
     measured = kerasmp.stored_policy(model).measured
     moved = {path for path, entry in measured.items() if "rule" in entry}
-    assert moved and all("moe" in p for p in measured)
+    # The MoE blocks' moves, and the nested RMS norms kerasmp's rules keep
+    # in float32, which stock Keras can compute as kerasmp does.
+    norms = {p for p in moved if "moe" not in p}
+    assert moved - norms and all("moe" in p for p in measured
+                                 if p not in norms)
+    assert norms and all(p.endswith("layernorm") and
+                         measured[p]["portable"] for p in norms)
     # Sublayers of a moved layer that kept the half policy (Qwen3-MoE's
     # experts) keep it after the reload.
     expected = {path: "float16" if "half" in entry else "float32"
@@ -104,5 +111,8 @@ def test_measured_moves_survive_a_reload(name, tmp_path):
     assert row["optimizer"] == "LossScaleOptimizer"
     assert np.isfinite(np.load(tmp_path / "preds.npy")).all()
     # Not expressible in stock Keras (no hand-back): the router's float32
-    # outputs meet float16 ones in its block's own arithmetic.
-    assert set(row["moved"].values()) == {"float16"}
+    # outputs meet float16 ones in its block's own arithmetic. The norms
+    # are, and reload in float32 (issue 44, item 4).
+    assert {p: d for p, d in row["moved"].items() if p not in norms} == {
+        p: "float16" for p in measured if p not in norms}
+    assert {row["moved"][p] for p in norms} == {"float32"}
