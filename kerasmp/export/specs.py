@@ -10,7 +10,9 @@ that registry. One list of formats for all of them.
 """
 
 import dataclasses
+import importlib.metadata
 import os
+import re
 
 import kerasmp.export.publish as _publish
 from kerasmp._utils.paths import as_path
@@ -27,6 +29,43 @@ IO_DTYPES = ("float32", "float16")
 BACKENDS = ("tensorflow", "jax", "torch")
 # pip names of the import names the formats need, where they differ.
 PIP_NAMES = {"ai_edge_litert": "ai-edge-litert", "litert_torch": "litert-torch"}
+# litert-torch's newest release and the first torch it refuses (its
+# `Requires-Dist: torch<2.15.0`, read 2026-12-08; pyproject.toml's
+# tflite-torch extra, docs/versions.md). Past that torch, installing the
+# extra moves torch back below it.
+LITERT_TORCH_NEWEST = ("0.10", (2, 15))
+
+
+def litert_torch_note(torch_version):
+    """What `pip install "kerasmp[tflite-torch]"` does to `torch_version`
+    (a version string, or None where torch is not installed): `""` where
+    litert-torch's newest release takes it, else a parenthesis saying that
+    pip would move torch back, and the formats that take this torch.
+
+    Example:
+
+    >>> litert_torch_note("2.14.1")
+    ''
+    >>> litert_torch_note("2.15.0")[:44]
+    ' (litert-torch 0.10, its newest release, tak'
+    """
+    found = re.match(r"(\d+)\.(\d+)", torch_version or "")
+    release, refused = LITERT_TORCH_NEWEST
+    if not found or tuple(map(int, found.groups())) < refused:
+        return ""
+    below = f"{refused[0]}.{refused[1]}"
+    return (f" (litert-torch {release}, its newest release, takes "
+            f"torch<{below}, so that moves torch {torch_version} back below "
+            f"{below}; or export to 'onnx' or 'torch', which take torch "
+            f"{torch_version})")
+
+
+def _torch_version():
+    """The installed torch's version, without importing it, or None."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +304,8 @@ def check_target(path, format="savedmodel", overwrite=False, dtype=None,
     if missing:
         _, extra = spec.needs(backend)
         hint = install_hint([PIP_NAMES.get(m, m) for m in missing], extra)
+        if backend == "torch" and "litert_torch" in missing:
+            hint += litert_torch_note(_torch_version())
         on = (" on the PyTorch backend" if backend == "torch"
               and spec.torch_packages is not None else "")
         verb = "is" if len(missing) == 1 else "are"

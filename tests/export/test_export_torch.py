@@ -170,6 +170,54 @@ def test_tflite_from_torch_needs_litert_torch_first(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("torch_version, moved", [
+    ("2.13.0", False), ("2.14.1", False), ("2.15.0", True),
+    ("2.16.0.dev20261201+cpu", True)])
+def test_tflite_from_torch_says_where_the_extra_moves_torch(
+        tmp_path, monkeypatch, torch_version, moved):
+    """litert-torch 0.10, its newest release, takes torch<2.15: past that,
+    `pip install "kerasmp[tflite-torch]"` would move torch back, so the
+    one-line error says so and names the formats that take this torch."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # as where it is not installed
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "litert_torch" else find_spec(
+            name, *a))
+    monkeypatch.setattr(_specs, "_torch_version", lambda: torch_version)
+    with pytest.raises(ImportError) as info:
+        _specs.check_target(str(tmp_path / "m.tflite"), "tflite",
+                            backend="torch")
+    message = str(info.value)
+    assert 'pip install "kerasmp[tflite-torch]"' in message
+    assert "\n" not in message
+    said = (f"takes torch<2.15, so that moves torch {torch_version} back "
+            "below 2.15; or export to 'onnx' or 'torch'")
+    assert (said in message) == moved, message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_newest_litert_torch_is_the_one_installed_or_older():
+    """`LITERT_TORCH_NEWEST` against litert-torch's own metadata where it is
+    installed: the same release, refusing the same torch."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("litert-torch")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("litert-torch is not installed")
+    release, refused = _specs.LITERT_TORCH_NEWEST
+    installed = tuple(int(v) for v in version.split(".")[:2])
+    assert installed <= tuple(int(v) for v in release.split(".")), (
+        f"litert-torch {version} is newer than LITERT_TORCH_NEWEST "
+        f"({release}): update it and pyproject.toml's tflite-torch extra")
+    if version.startswith(release + "."):
+        (torch_req,) = [r for r in importlib.metadata.requires(
+            "litert-torch") if r.split("<")[0].split(">")[0].strip() == "torch"]
+        assert f"<{refused[0]}.{refused[1]}" in torch_req, torch_req
+
+
 @on_torch
 def test_the_command_writes_a_torch_program(tmp_path):
     import torch
