@@ -128,12 +128,19 @@ def operation_class():
 
 def backend_nn_module():
     """The module whose functions `keras.ops.nn` calls for the active
-    backend (`keras.src.backend.<backend>.nn`), looked up at every call:
-    `ops.dot_product_attention` (which `MultiHeadAttention` and keras-hub's
-    attention layers use) ends in its `dot_product_attention`."""
+    backend, looked up at every call: `ops.dot_product_attention` (which
+    `MultiHeadAttention` and keras-hub's attention layers use) ends in its
+    `dot_product_attention`.
+
+    `keras.src.backend.<backend>.nn` in Keras 3.15, reached as
+    `keras.src.backend.nn`; Keras 3.16 moved the backends' op modules into
+    `keras.src.backend.<backend>.ops` (`keras.src.backend.ops.nn`, and
+    `keras.src.backend.nn` is gone).
+    """
     from keras.src import backend as _backend
 
-    return _backend.nn
+    nn = getattr(getattr(_backend, "ops", None), "nn", None)
+    return nn if nn is not None else _backend.nn
 
 
 def functional_class():
