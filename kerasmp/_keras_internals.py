@@ -185,6 +185,58 @@ def torch_epoch_iterator_class():
     return trainer.TorchEpochIterator
 
 
+def torch_trainer_class():
+    """Keras's PyTorch trainer, the class of `fit`, `evaluate` and
+    `predict` on PyTorch (`keras.src.backend.torch.trainer.TorchTrainer`,
+    renamed `Trainer` in Keras 3.16); imports torch."""
+    from keras.src.backend.torch import trainer
+
+    cls = getattr(trainer, "TorchTrainer", None)
+    return cls or trainer.Trainer
+
+
+class _Probed(Exception):
+    """Raised by `_ProbeModel` at the first attribute a probed method reads
+    beyond the two it is given."""
+
+
+class _ProbeModel:
+    """A stand-in model for `torch_trainer_runs_executions`: no function
+    built yet, `steps_per_execution=2`, and nothing else."""
+
+    train_function = test_function = predict_function = None
+    steps_per_execution = 2
+
+    def __getattr__(self, name):
+        raise _Probed(name)
+
+
+_RUNS_EXECUTIONS = []
+
+
+def torch_trainer_runs_executions():
+    """Whether Keras's PyTorch trainer runs `steps_per_execution > 1`
+    itself: its `make_train_function`, `make_test_function` and
+    `make_predict_function` build functions that run an execution's
+    batches one step each (Keras 3.16, keras-team/keras#23234). Keras 3.15's
+    refuse it with a `ValueError` before they read anything else of the
+    model, which is what this asks them, on a stand-in that has only those
+    two attributes (no model is made). Imports torch; asked once.
+    """
+    if not _RUNS_EXECUTIONS:
+        cls = torch_trainer_class()
+        runs = True
+        for kind in ("train", "test", "predict"):
+            try:
+                getattr(cls, f"make_{kind}_function")(_ProbeModel())
+            except ValueError:
+                runs = False
+            except _Probed:
+                pass
+        _RUNS_EXECUTIONS.append(runs)
+    return _RUNS_EXECUTIONS[0]
+
+
 def call_has_training_arg(model):
     """Whether `model.call` accepts a `training` argument."""
     return bool(model._call_has_training_arg)

@@ -578,6 +578,37 @@ def test_torch_epoch_iterator_warns_of_running_out_through_one_method():
     ], _changed(f"where TorchEpochIterator warns of running out (not {name})")
 
 
+@pytest.mark.torch
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's PyTorch trainer")
+def test_torch_trainer_runs_executions_is_what_stock_keras_does():
+    # Asked of stock Keras (kerasmp's patches out): `evaluate` and
+    # `predict` with 4 steps per execution run where the seam says Keras's
+    # PyTorch trainer runs executions (Keras 3.16), and are refused with
+    # Keras's ValueError where it says not (Keras 3.15).
+    assert issubclass(keras.Model, ki.torch_trainer_class()), _changed(
+        "the PyTorch trainer class")
+    runs = ki.torch_trainer_runs_executions()
+    x = np.arange(20, dtype="float32").reshape(10, 2) / 20
+    kerasmp.uninstall()
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", steps_per_execution=4)
+        for call in (lambda: model.evaluate(x, x[:, :1], batch_size=2,
+                                            verbose=0),
+                     lambda: model.predict(x, batch_size=2, verbose=0)):
+            if runs:
+                call()
+            else:
+                with pytest.raises(ValueError, match="steps_per_execution"):
+                    call()
+        if runs:
+            assert model.predict(x, batch_size=2, verbose=0).shape == (
+                10, 1), _changed("PyTorch's multi-step predict")
+    finally:
+        kerasmp.install()
+
+
 def test_optimizer_variables_and_index():
     a = keras.Variable(np.ones(2, "float32"))
     b = keras.Variable(np.ones(3, "float32"))
