@@ -343,6 +343,15 @@ no_automatic_dependency_tracking = _tracking.no_automatic_dependency_tracking
 (an optimizer's `build` uses it)."""
 
 
+UNSCALE_GRADS_ATTR = "_unscale_grads"
+"""The method of Keras 3.16's `keras.optimizers.LossScaleOptimizer` that
+its `apply` and `stateless_apply` unscale the gradients with
+(`(grads, variables) -> grads`); Keras 3.15 inlines the division in each.
+`kerasmp.LossScaleOptimizer` defines it (its own `apply` and
+`stateless_apply` do not call it), so that an inherited Keras path
+unscales the kerasmp way."""
+
+
 def optimizer_iterations(optimizer):
     """The optimizer's step-counter variable (`optimizer.iterations` is a
     read-only property returning it)."""

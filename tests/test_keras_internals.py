@@ -636,6 +636,32 @@ def test_optimizer_variables_and_index():
     ), _changed("Optimizer._variables (includes the inner optimizer's)")
 
 
+def test_unscale_grads_is_what_stock_loss_scaling_unscales_with():
+    # Keras 3.16: the stock optimizer's apply unscales through this method
+    # (kerasmp.LossScaleOptimizer defines it); Keras 3.15 has none.
+    name = ki.UNSCALE_GRADS_ATTR
+    stock_cls = keras.optimizers.LossScaleOptimizer
+    assert name in vars(kerasmp.LossScaleOptimizer)
+    if not hasattr(stock_cls, name):
+        assert keras.__version__.startswith("3.15"), _changed(
+            f"LossScaleOptimizer.{name} (gone)")
+        return
+    v = keras.Variable(np.ones(2, "float32"))
+    stock = _built(stock_cls(keras.optimizers.SGD(1.0), initial_scale=4.0),
+                   v)
+    calls = []
+    original = getattr(stock, name)
+
+    def spy(grads, variables):
+        calls.append(len(grads))
+        return original(grads, variables)
+
+    setattr(stock, name, spy)
+    stock.apply([keras.ops.full((2,), 8.0)], [v])
+    assert calls == [1], _changed(f"where stock apply unscales ({name})")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(v), [-1.0, -1.0])
+
+
 def test_overwrites_with_gradient():
     a = keras.Variable(np.ones(2, "float32"))
     b = keras.Variable(np.ones(2, "float32"))
