@@ -657,9 +657,16 @@ def test_unscale_grads_is_what_stock_loss_scaling_unscales_with():
         return original(grads, variables)
 
     setattr(stock, name, spy)
-    stock.apply([keras.ops.full((2,), 8.0)], [v])
+    grads = [keras.ops.full((2,), 8.0)]
+    if BACKEND == "jax":  # stock's stateful apply leaks a tracer on JAX
+        new, _ = stock.stateless_apply(
+            [x.value for x in stock.variables], grads, [v.value])
+    else:
+        stock.apply(grads, [v])
+        new = [v]
     assert calls == [1], _changed(f"where stock apply unscales ({name})")
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(v), [-1.0, -1.0])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(new[0]),
+                               [-1.0, -1.0])
 
 
 def test_overwrites_with_gradient():
