@@ -128,12 +128,19 @@ def operation_class():
 
 def backend_nn_module():
     """The module whose functions `keras.ops.nn` calls for the active
-    backend (`keras.src.backend.<backend>.nn`), looked up at every call:
-    `ops.dot_product_attention` (which `MultiHeadAttention` and keras-hub's
-    attention layers use) ends in its `dot_product_attention`."""
+    backend, looked up at every call: `ops.dot_product_attention` (which
+    `MultiHeadAttention` and keras-hub's attention layers use) ends in its
+    `dot_product_attention`.
+
+    `keras.src.backend.<backend>.nn` in Keras 3.15, reached as
+    `keras.src.backend.nn`; Keras 3.16 moved the backends' op modules into
+    `keras.src.backend.<backend>.ops` (`keras.src.backend.ops.nn`, and
+    `keras.src.backend.nn` is gone).
+    """
     from keras.src import backend as _backend
 
-    return _backend.nn
+    nn = getattr(getattr(_backend, "ops", None), "nn", None)
+    return nn if nn is not None else _backend.nn
 
 
 def functional_class():
@@ -176,6 +183,58 @@ def torch_epoch_iterator_class():
     from keras.src.backend.torch import trainer
 
     return trainer.TorchEpochIterator
+
+
+def torch_trainer_class():
+    """Keras's PyTorch trainer, the class of `fit`, `evaluate` and
+    `predict` on PyTorch (`keras.src.backend.torch.trainer.TorchTrainer`,
+    renamed `Trainer` in Keras 3.16); imports torch."""
+    from keras.src.backend.torch import trainer
+
+    cls = getattr(trainer, "TorchTrainer", None)
+    return cls or trainer.Trainer
+
+
+class _Probed(Exception):
+    """Raised by `_ProbeModel` at the first attribute a probed method reads
+    beyond the two it is given."""
+
+
+class _ProbeModel:
+    """A stand-in model for `torch_trainer_runs_executions`: no function
+    built yet, `steps_per_execution=2`, and nothing else."""
+
+    train_function = test_function = predict_function = None
+    steps_per_execution = 2
+
+    def __getattr__(self, name):
+        raise _Probed(name)
+
+
+_RUNS_EXECUTIONS = []
+
+
+def torch_trainer_runs_executions():
+    """Whether Keras's PyTorch trainer runs `steps_per_execution > 1`
+    itself: its `make_train_function`, `make_test_function` and
+    `make_predict_function` build functions that run an execution's
+    batches one step each (Keras 3.16, keras-team/keras#23234). Keras 3.15's
+    refuse it with a `ValueError` before they read anything else of the
+    model, which is what this asks them, on a stand-in that has only those
+    two attributes (no model is made). Imports torch; asked once.
+    """
+    if not _RUNS_EXECUTIONS:
+        cls = torch_trainer_class()
+        runs = True
+        for kind in ("train", "test", "predict"):
+            try:
+                getattr(cls, f"make_{kind}_function")(_ProbeModel())
+            except ValueError:
+                runs = False
+            except _Probed:
+                pass
+        _RUNS_EXECUTIONS.append(runs)
+    return _RUNS_EXECUTIONS[0]
 
 
 def call_has_training_arg(model):
@@ -282,6 +341,15 @@ def jax_state_sync(model):
 no_automatic_dependency_tracking = _tracking.no_automatic_dependency_tracking
 """Decorator: attributes set inside the method are not tracked by Keras
 (an optimizer's `build` uses it)."""
+
+
+UNSCALE_GRADS_ATTR = "_unscale_grads"
+"""The method of Keras 3.16's `keras.optimizers.LossScaleOptimizer` that
+its `apply` and `stateless_apply` unscale the gradients with
+(`(grads, variables) -> grads`); Keras 3.15 inlines the division in each.
+`kerasmp.LossScaleOptimizer` defines it (its own `apply` and
+`stateless_apply` do not call it), so that an inherited Keras path
+unscales the kerasmp way."""
 
 
 def optimizer_iterations(optimizer):

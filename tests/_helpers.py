@@ -22,6 +22,52 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from zoo.absent import BLOCK_KERASMP  # noqa: E402, F401 (re-exported)
 
+_KERAS_HUB = []  # [module or the exception its import raised], once
+
+
+def keras_hub_or_skip():
+    """`keras_hub`, imported; skips the test (or, called at a module's top,
+    the whole module) where keras-hub cannot be imported.
+
+    `pytest.importorskip("keras_hub")` skips only where keras-hub is not
+    installed (pytest 9: a `ModuleNotFoundError`). Installed beside a Keras
+    it does not support, keras-hub's import raises something else: keras-hub
+    0.32 beside Keras 3.16 (`bash tests/run.sh --keras-nightly`) raises
+    `ImportError: cannot import name 'get_keras_mask' from
+    'keras.src.backend'`, which would error every test that needs it. The
+    import is tried once per process (a second try after a failed one can
+    raise differently) and the reason names both versions.
+
+    Example:
+
+        keras_hub = keras_hub_or_skip()  # at a module's top, or in a test
+    """
+    if not _KERAS_HUB:
+        try:
+            import keras_hub
+        except Exception as error:  # noqa: BLE001 (any failure skips)
+            _KERAS_HUB.append(error)
+        else:
+            _KERAS_HUB.append(keras_hub)
+    found = _KERAS_HUB[0]
+    if not isinstance(found, Exception):
+        return found
+    if isinstance(found, ModuleNotFoundError) and found.name == "keras_hub":
+        reason = "keras-hub is not installed (pip install keras-hub)"
+    else:
+        from importlib import metadata
+
+        try:
+            hub = metadata.version("keras-hub")
+        except metadata.PackageNotFoundError:
+            hub = "?"
+        reason = (
+            f"keras-hub {hub} cannot be imported beside Keras "
+            f"{keras.__version__} ({keras.__file__}): "
+            f"{type(found).__name__}: {found}"
+        )
+    pytest.skip(reason, allow_module_level=True)
+
 
 def float8_test_policy(name="float8_mixed_bfloat16", **rule):
     """A float8 `kerasmp.Policy` whose rule takes kernels of 256 elements

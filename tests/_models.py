@@ -11,7 +11,7 @@ test stays in that test's file.
 
 import keras
 import numpy as np
-import pytest
+from _helpers import keras_hub_or_skip
 from keras import layers
 from keras import ops
 
@@ -168,8 +168,8 @@ def mixed_with_float32_twin(builder, **kwargs):
 def tiny_bert():
     """A keras-hub `BertBackbone` (vocabulary 2048, 2 layers, hidden 32,
     sequences up to 16) under `kerasmp.Policy("mixed_float16")`, seeded;
-    skips the test where keras-hub is not installed."""
-    keras_hub = pytest.importorskip("keras_hub")
+    skips the test where keras-hub cannot be imported."""
+    keras_hub = keras_hub_or_skip()
     keras.utils.set_random_seed(0)
     with policy_scope(Policy("mixed_float16")):
         return keras_hub.models.BertBackbone(
@@ -180,8 +180,8 @@ def tiny_bert():
 def tiny_gpt2_task():
     """A GPT2CausalLM (vocabulary 8, 2 layers, hidden 16) with its
     preprocessor (sequences of 8), over a byte-pair vocabulary made here;
-    skips the test where keras-hub is not installed."""
-    keras_hub = pytest.importorskip("keras_hub")
+    skips the test where keras-hub cannot be imported."""
+    keras_hub = keras_hub_or_skip()
     vocabulary = {"<|endoftext|>": 0, "Ġ": 1, "a": 2, "b": 3, "Ġa": 4,
                   "Ġb": 5, "ab": 6, "Ġab": 7}
     merges = ["Ġ a", "Ġ b", "a b", "Ġa b"]

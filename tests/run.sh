@@ -16,38 +16,59 @@
 # cores. `bash tests/run.sh --slow` runs only them and `--all` runs
 # everything; CI (.ci/run) runs the default suite, then `--slow`.
 #
-# `bash tests/run.sh --keras-nightly [pytest args]` runs the same two passes
-# against the newest Keras on PyPI: it creates a throwaway virtual
-# environment in /tmp that sees this Python's packages
-# (--system-site-packages), installs `keras-nightly` into it with --no-deps
-# (so TensorFlow, JAX and the rest stay as installed), runs the suite with
-# this checkout's kerasmp, and deletes the environment. Set
-# KERASMP_NIGHTLY_VENV=/path to reuse (and keep) an environment instead.
-# Not part of CI (it needs the network and doubles the time); run it before
-# raising the Keras upper bound in pyproject.toml.
+# `bash tests/run.sh --keras-nightly [pytest args]` runs the same passes
+# against the newest Keras on PyPI, with the `python` this script would use
+# otherwise (a virtual environment's or the base interpreter) and every
+# package it sees: `pip install --no-deps --target DIR keras-nightly` puts
+# the nightly alone in a throwaway folder in /tmp (TensorFlow, JAX, PyTorch
+# and keras-hub stay as installed), and DIR goes first on PYTHONPATH, ahead
+# of site-packages and its Keras, for the pytest runs and every subprocess
+# they start. (Not a virtual environment made with --system-site-packages:
+# that one sees the base interpreter's packages, not those of a virtual
+# environment this script was called from, so from a venv it ran without
+# the venv's TensorFlow, JAX and kerasmp dependencies.) Before the passes
+# the script imports keras the way they will and stops, printing the
+# version and file it got, unless that is the nightly it just installed
+# from DIR. Then it runs the suite with this checkout's kerasmp and deletes
+# DIR. Set KERASMP_NIGHTLY_DIR=/path to reuse (update) and keep a folder
+# instead. Not part of CI (it needs the network and doubles the time); run
+# it before raising the Keras upper bound in pyproject.toml.
+# docs/versions.md has the last results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 selection="not slow"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-python=python
 if [[ "${1:-}" == "--keras-nightly" ]]; then
     shift
-    venv="${KERASMP_NIGHTLY_VENV:-}"
-    if [[ -z "$venv" ]]; then
-        tmp="$(mktemp -d /tmp/kerasmp-keras-nightly.XXXXXX)"
-        trap 'rm -rf "$tmp"' EXIT
-        venv="$tmp/venv"
+    nightly="${KERASMP_NIGHTLY_DIR:-}"
+    if [[ -z "$nightly" ]]; then
+        nightly="$(mktemp -d /tmp/kerasmp-keras-nightly.XXXXXX)"
+        trap 'rm -rf "$nightly"' EXIT
     fi
-    if [[ ! -x "$venv/bin/python" ]]; then
-        python -m venv --system-site-packages "$venv" || exit 1
-    fi
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-        --no-deps --upgrade keras-nightly || exit 1
-    python="$venv/bin/python"
-    # This checkout's kerasmp, not an installed copy.
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    echo "== keras $("$python" -c 'import keras; print(keras.__version__)' \
-        2>/dev/null) (keras-nightly, in $venv)"
+    python -m pip install --quiet --disable-pip-version-check --no-deps \
+        --upgrade --target "$nightly" keras-nightly || exit 1
+    # This checkout's kerasmp (not an installed copy), after the nightly.
+    export PYTHONPATH="$nightly:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    # The Keras the passes will import must be the nightly just installed.
+    KERASMP_NIGHTLY_DIR="$nightly" python - <<'PY' || exit 1
+import importlib.metadata as metadata
+import os
+import sys
+
+import keras
+
+folder = os.path.realpath(os.environ["KERASMP_NIGHTLY_DIR"])
+found = [d.version for d in metadata.distributions(path=[folder])
+         if d.metadata["Name"] == "keras-nightly"]
+where = os.path.realpath(keras.__file__)
+print(f"== keras {keras.__version__} from {where} (keras-nightly "
+      f"{found[0] if found else 'missing'}, in {folder})")
+if not found or keras.__version__ != found[0] or not where.startswith(
+        folder + os.sep):
+    sys.exit(f"== not the nightly: {sys.executable} imports keras "
+             f"{keras.__version__} from {where}, not the keras-nightly in "
+             f"{folder}")
+PY
 fi
 case "${1:-}" in
     --slow) selection="slow"; shift ;;
@@ -62,7 +83,7 @@ parallel=()
 case " $* " in
     *" -n "*|*" -n="*|*" --numprocesses"*|*" -p no:xdist "*) ;;
     *)
-        if "$python" -c "import xdist" 2>/dev/null; then
+        if python -c "import xdist" 2>/dev/null; then
             parallel=(-n "${KERASMP_TEST_WORKERS:-2}" --dist worksteal)
         fi
         ;;
@@ -78,7 +99,7 @@ torch_marks="torch and not tensorflow${selection:+ and ($selection)}"
 run_pass() {
     local backend="$1"
     shift
-    KERAS_BACKEND="$backend" "$python" -m pytest "$@"
+    KERAS_BACKEND="$backend" python -m pytest "$@"
     local rc=$?
     if ((rc != 0 && rc != 5)); then failed+=("$backend"); fi
 }
@@ -87,7 +108,7 @@ run_pass tensorflow "${tf_marks[@]}" "$@"
 echo "== KERAS_BACKEND=jax (-m \"$jax_marks\")"
 run_pass jax -m "$jax_marks" "$@"
 ran="tensorflow and jax"
-if "$python" -c "import torch" 2>/dev/null; then
+if python -c "import torch" 2>/dev/null; then
     ran="tensorflow, jax and torch"
     echo "== KERAS_BACKEND=torch (-m \"$torch_marks\")"
     run_pass torch -m "$torch_marks" "$@"

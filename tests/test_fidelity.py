@@ -34,11 +34,13 @@ import sys
 
 import pytest
 from _helpers import ROOT
+from _helpers import keras_hub_or_skip
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fidelity_run  # noqa: E402
 
 pytestmark = pytest.mark.torch
+keras_hub_or_skip()  # the language model is keras-hub's layers
 
 STEPS = 120
 LOSS_BOUND = 0.03

@@ -19,10 +19,11 @@ import keras
 import numpy as np
 import pytest
 from _helpers import BLOCK_KERASMP
+from _helpers import keras_hub_or_skip
 
 import kerasmp
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = keras_hub_or_skip()
 
 BACKEND = keras.backend.backend()
 SEQ = 8

@@ -290,7 +290,7 @@ def test_backend_nn_module_is_what_ops_attention_calls(monkeypatch):
     keras.ops.dot_product_attention(q, q, q)
     assert len(seen) == 1, _changed(
         "where keras.ops.dot_product_attention dispatches "
-        "(keras.src.backend.<backend>.nn.dot_product_attention)"
+        "(keras.src.backend.<backend>.nn, or .ops.nn since Keras 3.16)"
     )
 
 
@@ -578,6 +578,37 @@ def test_torch_epoch_iterator_warns_of_running_out_through_one_method():
     ], _changed(f"where TorchEpochIterator warns of running out (not {name})")
 
 
+@pytest.mark.torch
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's PyTorch trainer")
+def test_torch_trainer_runs_executions_is_what_stock_keras_does():
+    # Asked of stock Keras (kerasmp's patches out): `evaluate` and
+    # `predict` with 4 steps per execution run where the seam says Keras's
+    # PyTorch trainer runs executions (Keras 3.16), and are refused with
+    # Keras's ValueError where it says not (Keras 3.15).
+    assert issubclass(keras.Model, ki.torch_trainer_class()), _changed(
+        "the PyTorch trainer class")
+    runs = ki.torch_trainer_runs_executions()
+    x = np.arange(20, dtype="float32").reshape(10, 2) / 20
+    kerasmp.uninstall()
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", steps_per_execution=4)
+        for call in (lambda: model.evaluate(x, x[:, :1], batch_size=2,
+                                            verbose=0),
+                     lambda: model.predict(x, batch_size=2, verbose=0)):
+            if runs:
+                call()
+            else:
+                with pytest.raises(ValueError, match="steps_per_execution"):
+                    call()
+        if runs:
+            assert model.predict(x, batch_size=2, verbose=0).shape == (
+                10, 1), _changed("PyTorch's multi-step predict")
+    finally:
+        kerasmp.install()
+
+
 def test_optimizer_variables_and_index():
     a = keras.Variable(np.ones(2, "float32"))
     b = keras.Variable(np.ones(3, "float32"))
@@ -603,6 +634,39 @@ def test_optimizer_variables_and_index():
     assert not any(
         id(v) in {id(w) for w in lso.inner_optimizer.variables} for v in own
     ), _changed("Optimizer._variables (includes the inner optimizer's)")
+
+
+def test_unscale_grads_is_what_stock_loss_scaling_unscales_with():
+    # Keras 3.16: the stock optimizer's apply unscales through this method
+    # (kerasmp.LossScaleOptimizer defines it); Keras 3.15 has none.
+    name = ki.UNSCALE_GRADS_ATTR
+    stock_cls = keras.optimizers.LossScaleOptimizer
+    assert name in vars(kerasmp.LossScaleOptimizer)
+    if not hasattr(stock_cls, name):
+        assert keras.__version__.startswith("3.15"), _changed(
+            f"LossScaleOptimizer.{name} (gone)")
+        return
+    v = keras.Variable(np.ones(2, "float32"))
+    stock = _built(stock_cls(keras.optimizers.SGD(1.0), initial_scale=4.0),
+                   v)
+    calls = []
+    original = getattr(stock, name)
+
+    def spy(grads, variables):
+        calls.append(len(grads))
+        return original(grads, variables)
+
+    setattr(stock, name, spy)
+    grads = [keras.ops.full((2,), 8.0)]
+    if BACKEND == "jax":  # stock's stateful apply leaks a tracer on JAX
+        new, _ = stock.stateless_apply(
+            [x.value for x in stock.variables], grads, [v.value])
+    else:
+        stock.apply(grads, [v])
+        new = [v]
+    assert calls == [1], _changed(f"where stock apply unscales ({name})")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(new[0]),
+                               [-1.0, -1.0])
 
 
 def test_overwrites_with_gradient():

@@ -19,10 +19,11 @@ import keras
 import numpy as np
 import pytest
 from _helpers import ROOT
+from _helpers import keras_hub_or_skip
 
 import kerasmp
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = keras_hub_or_skip()
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from zoo import applications  # noqa: E402

@@ -310,6 +310,15 @@ class LossScaleOptimizer(UnbuiltState, keras.optimizers.LossScaleOptimizer):
             for g, v in zip(grads, trainable_variables)
         ]
 
+    def _unscale_grads(self, grads, variables):
+        # Keras 3.16 gathers the stock optimizer's unscaling into this
+        # method (`_keras_internals.UNSCALE_GRADS_ATTR`), which its `apply`
+        # and `stateless_apply` call. kerasmp's own replace those and never
+        # reach it; any inherited path that does unscales as kerasmp does:
+        # in each gradient's dtype (stock Keras's division makes a float16
+        # gradient float32), sparse gradients kept sparse.
+        return self._unscale(grads, self.dynamic_scale, variables)
+
     def apply(self, grads, trainable_variables=None):
         if not self.built:
             with keras.name_scope(self.name, caller=self):

@@ -2,8 +2,8 @@
 
 On TensorFlow, PyTorch and JAX (without NNX), `compile` calls
 `install(model)`, which sets two instance attributes on the model (four on
-PyTorch, below); nothing adds or removes them afterwards (a callback never
-does):
+PyTorch with Keras 3.15, below); nothing adds or removes them afterwards (a
+callback never does):
 
 - `train_step`: Keras's step, then, while the optimizer is a
   `kerasmp.LossScaleOptimizer` and skipped the step, every variable the step
@@ -17,10 +17,12 @@ does):
   private entries out of the logs (so the progress bar, `History`,
   `CSVLogger` and `TensorBoard` see only `loss_scale` and `skipped_steps`)
   and keeps them for `rows(model)` and `batch(model)`.
-- On PyTorch, also `make_test_function` and `make_predict_function`:
-  Keras's one-step functions, run once per batch of an execution, so that
-  `evaluate`, `predict` and `fit`'s validation take `steps_per_execution >
-  1`, which Keras 3.15 refuses there (`kerasmp.train_step.torch`).
+- On PyTorch with Keras 3.15, also `make_test_function` and
+  `make_predict_function`: Keras's one-step functions, run once per batch
+  of an execution, so that `evaluate`, `predict` and `fit`'s validation
+  take `steps_per_execution > 1`, which Keras 3.15 refuses there (Keras
+  3.16 runs them itself, and kerasmp leaves them to it:
+  `kerasmp.train_step.torch`).
 
 One module per backend holds the step (`tensorflow`, `jax`, `torch`), as
 Keras keeps one `train_step` per backend; `logs` holds what they share.

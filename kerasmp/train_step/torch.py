@@ -8,17 +8,20 @@ batch-norm statistics and seed states, and the metric variables), and, when
 it adds `loss_scale` / `skipped_steps` and makes one record, as on the other
 backends.
 
-`steps_per_execution=k`: Keras 3.15 refuses `k > 1` on PyTorch. The
-model's train, test and predict functions are kerasmp's (`install` sets
-`make_test_function` and `make_predict_function` too): each runs Keras's
-one-step function once per batch of the execution it is handed (k batches,
-fewer at an epoch's end), as Keras 3.16's own functions do. The train
-function keeps every step's record; the test function returns the last
-step's logs (the metrics are cumulative); the predict function returns the
-steps' outputs concatenated along the batch axis. Callbacks see one
-`on_*_batch_end` per execution, as Keras calls them on every backend. The
-epoch iterator's warning at a partial last execution is `kerasmp._patches`'
-(6.).
+`steps_per_execution=k`: the train function is kerasmp's, which runs the
+step once per batch of the execution it is handed (k batches, fewer at an
+epoch's end) and keeps every step's record. Keras 3.16 runs `k > 1` on
+PyTorch itself (keras-team/keras#23234), and kerasmp leaves its test and
+predict functions to it. Keras 3.15 refuses `k > 1` there: where Keras's
+trainer does (`_keras_internals.torch_trainer_runs_executions`, asked of
+the trainer, not of the version), `install` also sets kerasmp's
+`make_test_function` and `make_predict_function`, which run Keras's
+one-step function once per batch of the execution, as Keras 3.16's own
+do: the test function returns the last step's logs (the metrics are
+cumulative), the predict function the steps' outputs concatenated along
+the batch axis. Callbacks see one `on_*_batch_end` per execution, as Keras
+calls them on every backend. The epoch iterator's warning at a partial
+last execution is `kerasmp._patches`' (6.).
 
 Under `jit_compile=True` the function `torch.compile` compiles is
 `TorchSteps.train_step` itself, calling Keras's step directly: the compiled
@@ -33,6 +36,7 @@ more graph, resume frame and set of guards per break, per step.
 import keras
 from keras import ops
 
+from kerasmp import _keras_internals as _ki
 from kerasmp.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from kerasmp.train_step.logs import ROW_KEY
 from kerasmp.train_step.logs import HostLoopSteps
@@ -75,10 +79,17 @@ class TorchSteps(HostLoopSteps):
     """kerasmp's train step of one model on PyTorch, and its test and
     predict functions."""
 
-    replaces = HostLoopSteps.replaces + (
-        "make_test_function",
-        "make_predict_function",
-    )
+    @property
+    def replaces(self):
+        """The methods `install` sets on the model: also the test and
+        predict functions where Keras's PyTorch trainer refuses
+        `steps_per_execution > 1` (Keras 3.15)."""
+        if _ki.torch_trainer_runs_executions():
+            return HostLoopSteps.replaces
+        return HostLoopSteps.replaces + (
+            "make_test_function",
+            "make_predict_function",
+        )
 
     def train_step(self, data):
         model = self.model

@@ -545,11 +545,54 @@ def _fake_run_sh(tmp_path, failing, args, status=1):
     (fake / "python").chmod(0o755)
     env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
                FAILING=failing)
+    env.pop("KERASMP_TEST_WORKERS", None)  # the default count, two
     proc = subprocess.run(["bash", str(ROOT / "tests" / "run.sh"), *args],
                           env=env, capture_output=True, text=True,
                           timeout=60)
     calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
     return proc, calls
+
+
+@pytest.mark.parametrize("is_nightly", [True, False])
+def test_run_sh_keras_nightly_runs_with_the_nightly_first_or_stops(
+        is_nightly, tmp_path):
+    # A fake `python` (the caller's, a venv's or not): `-m pip` installs
+    # nothing, `python -` (the script's check that keras imports as the
+    # installed nightly) passes or fails, and every call logs its
+    # PYTHONPATH; no network.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "calls.txt"
+    (fake / "python").write_text(
+        "#!/bin/sh\n"
+        f"echo \"$KERAS_BACKEND|$PYTHONPATH|$*\" >> {log}\n"
+        f"[ \"$1\" = - ] && exit {0 if is_nightly else 1}\n"
+        "exit 0\n")
+    (fake / "python").chmod(0o755)
+    folder = tmp_path / "nightly"
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
+               KERASMP_NIGHTLY_DIR=str(folder), PYTHONPATH="/elsewhere")
+    env.pop("KERASMP_TEST_WORKERS", None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tests" / "run.sh"), "--keras-nightly", "-q"],
+        env=env, capture_output=True, text=True, timeout=60)
+    calls = [line.split("|") for line in log.read_text().splitlines()]
+    # The nightly alone, into the folder, with the caller's python.
+    assert calls[0][2] == (
+        "-m pip install --quiet --disable-pip-version-check --no-deps "
+        f"--upgrade --target {folder} keras-nightly")
+    # The check and every pass import from the folder first, then this
+    # checkout, then the caller's PYTHONPATH.
+    path = f"{folder}:{ROOT}:/elsewhere"
+    assert calls[1][1:] == [path, "-"]
+    passes = [c for c in calls if "-m pytest" in c[2]]
+    if is_nightly:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [c[0] for c in passes] == ["tensorflow", "jax", "torch"]
+        assert {c[1] for c in passes} == {path}
+    else:
+        # Not the nightly: no pass runs, and the script fails.
+        assert proc.returncode == 1 and passes == []
 
 
 @pytest.mark.parametrize("failing, code", [

@@ -7,6 +7,7 @@ import json
 import keras
 import numpy as np
 import pytest
+from _helpers import keras_hub_or_skip
 
 import kerasmp
 from kerasmp.apps import cli
@@ -303,7 +304,7 @@ def test_mask_constant_that_becomes_inf_in_float16():
 
 
 def test_t5_hazard_found_statically_and_by_the_traced_run():
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = keras_hub_or_skip()
     rules = [r for r in kerasmp.DEFAULT_FLOAT32_LAYERS
              if r is not kerasmp.policy.KNOWN_FLOAT16_HAZARDS]
 

@@ -21,6 +21,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from _helpers import keras_hub_or_skip
 
 from kerasmp import export as kx
 from kerasmp.export import savedmodel
@@ -173,7 +174,7 @@ def test_a_savedmodel_from_jax_that_tensorflow_cannot_run_is_one_sentence(
 @pytest.mark.skipif(BACKEND != "jax", reason="the JAX route (jax2tf)")
 def test_bert_savedmodel_from_jax_serves_every_length_up_to_its_table(
         tmp_path):
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = keras_hub_or_skip()
     keras.utils.set_random_seed(0)
     with policy_scope(Policy("mixed_float16")):
         model = keras_hub.models.BertBackbone(
@@ -203,7 +204,7 @@ def test_decoder_savedmodel_from_jax_keeps_lengths_free(tmp_path):
     # Stock Keras's symbols (one per input) cannot trace a keras-hub
     # decoder: "min got incompatible shapes for broadcasting: (batch, 1,
     # a), (batch, b, b)" (the mask's length against the tokens').
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = keras_hub_or_skip()
     keras.utils.set_random_seed(0)
     with policy_scope(Policy("mixed_float16")):
         model = keras_hub.models.LlamaBackbone(

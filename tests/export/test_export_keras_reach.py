@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import pytest
 from _helpers import BLOCK_KERASMP
+from _helpers import keras_hub_or_skip
 from _helpers import slow_on
 from _helpers import subprocess_env
 from keras import layers
@@ -310,7 +311,7 @@ def test_files_written_by_0_1_0_still_load_with_kerasmp():
 
 
 def _hub(family):
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = keras_hub_or_skip()
     ones = {"token_ids": np.ones((2, 7), "int32"),
             "padding_mask": np.ones((2, 7), "int32")}
     if family == "gemma3":
@@ -421,7 +422,7 @@ def test_a_measured_layer_with_a_made_up_name_stays_float32_in_a_keras(
     # map keyed by that made-up path missed it in a new process, and the
     # file's predict failed there; reached through its parent's map
     # default, it is float32 whatever the loader's counters.
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = keras_hub_or_skip()
     config = dict(vocabulary_size=10, num_layers=2, num_heads=1,
                   hidden_dim=4, intermediate_dim=8)
     keras.utils.set_random_seed(0)

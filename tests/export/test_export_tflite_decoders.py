@@ -16,6 +16,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from _helpers import keras_hub_or_skip
 
 from kerasmp import export as kx
 from kerasmp.policy import Policy
@@ -41,7 +42,7 @@ def _reference(model, inputs):
 
 
 def _backbone(family):
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = keras_hub_or_skip()
     m = keras_hub.models
     keras.utils.set_random_seed(0)
     if family == "mistral":
@@ -163,7 +164,7 @@ def test_gpt2_tflite_from_jax_runs(tmp_path):
     # of 32-bit float ..."). Serving never draws from it: not tracked now.
     from ai_edge_litert.interpreter import Interpreter
 
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = keras_hub_or_skip()
     with policy_scope(Policy("mixed_float16")):
         keras.utils.set_random_seed(0)
         model = keras_hub.models.GPT2Backbone(

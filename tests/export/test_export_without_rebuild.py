@@ -12,13 +12,14 @@ import os
 import keras
 import numpy as np
 import pytest
+from _helpers import keras_hub_or_skip
 
 from kerasmp import export as kx
 from kerasmp.export.parity import size as artifact_size
 from kerasmp.policy import Policy
 from kerasmp.policy import policy_scope
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = keras_hub_or_skip()
 
 # Tiny, from scratch (no download). The vocabulary is what makes most of
 # the weights, so that the size ratio measures weights, not graph overhead.

@@ -1259,3 +1259,26 @@ def test_auto_scale_keeps_to_the_bounds_and_saves_as_auto():
     assert restored.auto and restored.loss_scale == 1.0
     with pytest.raises(ValueError, match='"auto" or a number'):
         LossScaleOptimizer(_sgd(), initial_scale="automatic")
+
+
+def test_keras_unscale_hook_unscales_the_kerasmp_way():
+    # Keras 3.16's stock apply unscales through this method (3.15 has no
+    # such method and the call below is kerasmp's own); kerasmp's divides
+    # each gradient by the scale in its own dtype, where stock Keras's
+    # division turns a float16 gradient into float32. A gradient that
+    # overwrites its variable (float8 scaling factors) is left as is.
+    from kerasmp import _keras_internals as ki
+
+    v = keras.Variable(np.ones(3, "float32"))
+    w = keras.Variable(np.ones(3, "float32"))
+    w.overwrite_with_gradient = True
+    opt = LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0)
+    opt.build([v, w])
+    g = np.array([8.0, -24.0, 0.5], "float16")
+    out = getattr(opt, ki.UNSCALE_GRADS_ATTR)(
+        [ops.convert_to_tensor(g), ops.convert_to_tensor(g), None],
+        [v, w, v])
+    assert ops.dtype(out[0]) == "float16"
+    np.testing.assert_array_equal(ops.convert_to_numpy(out[0]), g / 8)
+    np.testing.assert_array_equal(ops.convert_to_numpy(out[1]), g)
+    assert out[2] is None

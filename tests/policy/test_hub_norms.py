@@ -12,12 +12,13 @@ Each family's models are built once per module. Runs on TF and JAX.
 import keras
 import numpy as np
 import pytest
+from _helpers import keras_hub_or_skip
 
 import kerasmp
 from kerasmp._utils.layers import walk
 from kerasmp.policy import norms as _norm_rule
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = keras_hub_or_skip()
 
 SEQ = 8
 VOCAB = 64

@@ -10,6 +10,7 @@ import re
 import keras
 import numpy as np
 import pytest
+from _helpers import keras_hub_or_skip
 
 import kerasmp
 from kerasmp.callbacks import nonfinite_fallback as _nonfinite_fallback
@@ -19,7 +20,7 @@ from kerasmp.policy import norms as _norm_rule
 
 pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = keras_hub_or_skip()
 
 HUB = "keras_hub.src.models."
 # keras-hub 0.32.0 normalization classes: (module, class, constructor args).

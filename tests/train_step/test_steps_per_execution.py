@@ -10,8 +10,16 @@ against the same run with `steps_per_execution=1` (a reference, not the
 code's own output), on data whose 6 batches (the last one of 2 samples) are
 not a multiple of 4; the same tests run on every backend, where Keras has
 its own multi-step functions.
+
+Keras 3.16 runs `k > 1` on PyTorch itself (keras-team/keras#23234): there
+kerasmp leaves the test and predict functions to Keras, and the last tests
+compare a kerasmp run with `k = 4` against stock Keras's own (kerasmp
+uninstalled) on every backend where Keras has one, and against stock Keras
+with `steps_per_execution=1` where it refuses `k > 1` (PyTorch, Keras 3.15).
 """
 
+import contextlib
+import re
 import warnings
 
 import keras
@@ -21,6 +29,7 @@ from _models import mlp
 from keras import ops
 
 import kerasmp
+from kerasmp import _keras_internals as ki
 from kerasmp.optimizer import LossScaleOptimizer
 
 pytestmark = pytest.mark.torch  # also in the PyTorch pass (conftest.py)
@@ -139,6 +148,33 @@ def test_fit_with_validation_equals_one_step_executions(
     assert ends.steps("test") == [3] * 3
 
 
+def _on_batch(model, kind, *args):
+    """`model.<kind>_on_batch(*args)`; None where Keras has its own
+    multi-step functions and stock Keras fails on a model with the same
+    `steps_per_execution`, after checking that kerasmp's fails alike.
+    (Keras 3.16.0.dev2026102704 on JAX, with `steps_per_execution > 1`:
+    `train_on_batch`, `test_on_batch` and `predict_on_batch` hand the batch
+    to a function that takes it for an execution's stack of batches, and
+    fail "Invalid input shape".)"""
+    method = f"{kind}_on_batch"
+    spe = model.steps_per_execution
+    if spe == 1 or not _keras_runs_executions():
+        return getattr(model, method)(*args)  # kerasmp's, where Keras has none
+    with _stock_keras():
+        stock = _model(spe)
+        try:
+            getattr(stock, method)(*args)
+        except Exception as error:  # noqa: BLE001 (compared below)
+            failed = error
+        else:
+            failed = None
+    if failed is None:
+        return getattr(model, method)(*args)
+    with pytest.raises(type(failed), match=re.escape(str(failed)[:20])):
+        getattr(model, method)(*args)
+    return None
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_evaluate_equals_one_step_executions(mixed, request):
     if mixed:
@@ -154,14 +190,15 @@ def test_evaluate_equals_one_step_executions(mixed, request):
                 x, y, batch_size=BATCH, verbose=0, callbacks=[ends],
                 return_dict=True,
             )
-            on_batch = model.test_on_batch(x[:BATCH], y[:BATCH])
+            on_batch = _on_batch(model, "test", x[:BATCH], y[:BATCH])
         assert not [w for w in caught if RAN_OUT in str(w.message)]
         results[spe] = (logs, on_batch, ends)
     (ref, ref_batch, _), (got, got_batch, ends) = results[1], results[SPE]
     assert set(got) == set(ref) == {"loss", "mae", "mse"}
     for key in ref:
         assert got[key] == pytest.approx(ref[key], rel=1e-6), key
-    np.testing.assert_allclose(got_batch, ref_batch, rtol=1e-6)
+    if got_batch is not None:
+        np.testing.assert_allclose(got_batch, ref_batch, rtol=1e-6)
     assert ends.steps("test") == [3, 7]
 
 
@@ -192,7 +229,7 @@ def test_predict_equals_one_step_executions(mixed, request):
             out = model.predict(
                 x, batch_size=BATCH, verbose=0, callbacks=[ends]
             )
-            on_batch = model.predict_on_batch(x[:BATCH])
+            on_batch = _on_batch(model, "predict", x[:BATCH])
             nested = _two_outputs(spe).predict(x, batch_size=BATCH, verbose=0)
         assert not [w for w in caught if RAN_OUT in str(w.message)]
         results[spe] = (out, on_batch, nested, ends)
@@ -201,7 +238,8 @@ def test_predict_equals_one_step_executions(mixed, request):
     # Every sample, the last partial execution's included.
     assert got.shape == ref.shape == (N, 1)
     np.testing.assert_allclose(got, ref, rtol=1e-6)
-    np.testing.assert_allclose(got_batch, ref_batch, rtol=1e-6)
+    if got_batch is not None:
+        np.testing.assert_allclose(got_batch, ref_batch, rtol=1e-6)
     assert set(got_nested) == {"a", "b"}
     for key in ("a", "b"):
         assert got_nested[key].shape[0] == N
@@ -231,3 +269,88 @@ def test_uninstall_gives_keras_its_iterator_back():
     finally:
         kerasmp.install()
     assert vars(iterator).get(name) is not None
+
+
+def _keras_runs_executions():
+    """Whether stock Keras runs `steps_per_execution > 1` on this backend
+    (everywhere but PyTorch before Keras 3.16)."""
+    return (keras.backend.backend() != "torch"
+            or ki.torch_trainer_runs_executions())
+
+
+@contextlib.contextmanager
+def _stock_keras():
+    """Keras without kerasmp's patches (a model compiled inside keeps
+    Keras's own train, test and predict functions)."""
+    kerasmp.uninstall()
+    try:
+        yield
+    finally:
+        kerasmp.install()
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="kerasmp's PyTorch test and predict functions")
+def test_keras_own_test_and_predict_functions_where_it_runs_executions():
+    model = _model(SPE)
+    own = {"make_test_function", "make_predict_function"} & set(
+        vars(model))
+    if ki.torch_trainer_runs_executions():
+        assert not own  # Keras 3.16's, from the class
+    else:
+        assert own == {"make_test_function", "make_predict_function"}
+    assert "make_train_function" in vars(model)  # the records: kerasmp's
+
+
+def _run_all(spe):
+    """fit (with validation), evaluate and predict of one seeded float32
+    model with `steps_per_execution=spe`: everything they return, the
+    weights, and the callbacks' batch ends."""
+    x, y = _data()
+    val = _data(10, seed=1)
+    model = _model(spe, metrics=("mae", "mse"))
+    ends = _BatchEnds()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                            validation_data=val, verbose=0,
+                            callbacks=[ends]).history
+        logs = model.evaluate(x, y, batch_size=BATCH, verbose=0,
+                              callbacks=[ends], return_dict=True)
+        out = model.predict(x, batch_size=BATCH, verbose=0, callbacks=[ends])
+    return dict(history=history, logs=logs, out=out, weights=_weights(model),
+                ends=[(k, step) for k, step, _ in ends.calls],
+                ran_out=[str(w.message) for w in caught
+                         if RAN_OUT in str(w.message)])
+
+
+def test_fit_evaluate_predict_agree_with_stock_keras():
+    # float32 with SGD: kerasmp changes no number, so a kerasmp run must
+    # equal Keras's own, with Keras's own multi-step functions where it has
+    # them; where it refuses `k > 1` (PyTorch, Keras 3.15) it is compared
+    # with stock Keras's one-step run.
+    got = _run_all(SPE)
+    with _stock_keras():
+        if _keras_runs_executions():
+            ref = _run_all(SPE)
+        else:
+            with pytest.raises(ValueError, match="steps_per_execution"):
+                _run_all(SPE)
+            ref = _run_all(1)
+            # One batch end per batch there, not per execution (the tests
+            # above pin kerasmp's).
+            ref["ends"] = got["ends"]
+    assert set(got["history"]) == set(ref["history"]) == {
+        "loss", "mae", "mse", "val_loss", "val_mae", "val_mse"}
+    for key, values in ref["history"].items():
+        np.testing.assert_allclose(got["history"][key], values, rtol=1e-6,
+                                   err_msg=key)
+    assert set(got["logs"]) == set(ref["logs"])
+    for key, value in ref["logs"].items():
+        assert got["logs"][key] == pytest.approx(value, rel=1e-6), key
+    assert got["out"].shape == ref["out"].shape == (N, 1)
+    np.testing.assert_allclose(got["out"], ref["out"], rtol=1e-6)
+    for a, b in zip(got["weights"], ref["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert got["ends"] == ref["ends"]
+    assert got["ran_out"] == ref["ran_out"] == []
