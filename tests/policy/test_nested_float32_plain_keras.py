@@ -19,13 +19,14 @@ import keras
 import numpy as np
 import pytest
 from _helpers import BLOCK_KERASMP
+from _helpers import keras_hub_or_skip
 
 import kerasmp
 from kerasmp.policy.measure import _passing
 
 pytestmark = pytest.mark.torch
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = keras_hub_or_skip()
 
 _LLAMA = dict(vocabulary_size=10, num_layers=2, num_query_heads=4,
               num_key_value_heads=2, hidden_dim=8, intermediate_dim=8)
