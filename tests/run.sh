@@ -25,11 +25,21 @@
 # KERASMP_NIGHTLY_VENV=/path to reuse (and keep) an environment instead.
 # Not part of CI (it needs the network and doubles the time); run it before
 # raising the Keras upper bound in pyproject.toml.
+#
+# `bash tests/run.sh --python 3.12 [--slow|--all] [pytest args]` runs the
+# TensorFlow and JAX passes on another Python (pyenv's or PATH's), in a
+# throwaway virtual environment with this checkout and the extras a JAX or
+# TensorFlow user needs, without PyTorch (tests/python_lane.sh; set
+# KERASMP_PYTHON_VENV=/path to reuse and keep one). Not part of CI.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 selection="not slow"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 python=python
+if [[ "${1:-}" == "--python" ]]; then
+    shift
+    exec bash tests/python_lane.sh "$@"
+fi
 if [[ "${1:-}" == "--keras-nightly" ]]; then
     shift
     venv="${KERASMP_NIGHTLY_VENV:-}"
