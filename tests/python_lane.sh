@@ -66,10 +66,15 @@ PY
     -e ".[jax,tensorflow,plot,onnx,tflite]" $tools || exit 1
 echo "== $("$venv/bin/python" - <<'PY'
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
+def said(name):
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return f"no {name}"
 names = ["keras", "jax", "jaxlib", "tensorflow", "numpy", "keras-hub"]
-print(f"Python {sys.version.split()[0]}: " + ", ".join(
-    f"{n} {version(n)}" for n in names) + " (no torch)")
+print(f"Python {sys.version.split()[0]}: "
+      + ", ".join(said(n) for n in names) + " (no torch)")
 PY
 ) (in $venv)"
 # This checkout's kerasmp, and the environment's `python` first on PATH:
