@@ -12,8 +12,8 @@
 # the PyTorch pass, saying so), prints the versions installed, runs
 # tests/run.sh with that Python, and deletes the environment. Set
 # KERASMP_PYTHON_VENV=/path to reuse (and keep) an environment instead.
-# Not part of CI (it needs the network; on two shared cores it took about
-# 50 minutes with Python 3.12, docs/versions.md).
+# Not part of CI (it needs the network, and on two busy shared cores its
+# JAX pass alone took about an hour with Python 3.12: docs/versions.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-}"
