@@ -17,6 +17,7 @@ docs/architecture.md lists where kerasmp meets Keras.
 Tested with Keras 3.15 and 3.16 (`pyproject.toml` bounds the version).
 """
 
+import contextlib
 import itertools
 import sys
 
@@ -489,6 +490,73 @@ def litert_schema():
     from ai_edge_litert import schema_py_generated
 
     return schema_py_generated
+
+
+# ------------------------------------ JAX to TensorFlow (jax2tf, StableHLO)
+
+
+def tensorflow_stablehlo_version():
+    """The newest StableHLO version TensorFlow's `XlaCallModule` op reads
+    (`"1.13.7"` in TensorFlow 2.21): a jax2tf SavedModel holds the JAX
+    program as a StableHLO artifact that this op deserializes when called.
+    None if TensorFlow does not say (its `stablehlo` module is not public).
+    """
+    try:
+        from tensorflow.compiler.mlir.stablehlo import stablehlo
+    except ImportError:
+        return None
+    return getattr(stablehlo, "get_current_version", lambda: None)()
+
+
+def _jax_hlo():
+    from jax._src.lib.mlir.dialects import hlo
+
+    return hlo
+
+
+def jax_stablehlo_versions():
+    """`(oldest, target)`: the oldest StableHLO version this JAX can write,
+    and the one `jax.export` (and so jax2tf) writes by default (JAX's
+    4-week compatibility window: `"1.22.0"` in JAX 0.12.1, `"1.15.0"` in
+    0.10.2)."""
+    hlo = _jax_hlo()
+    week_4 = hlo.StablehloCompatibilityRequirement.WEEK_4
+    return (hlo.get_minimum_version(),
+            hlo.get_version_from_compatibility_requirement(week_4))
+
+
+def stablehlo_older(a, b):
+    """Whether StableHLO version `a` is older than `b` (`"x.y.z"`)."""
+    return a != b and _jax_hlo().get_smaller_version(a, b) == a
+
+
+@contextlib.contextmanager
+def jax_export_stablehlo_at_most(version):
+    """While inside, `jax.export` (jax2tf's serialization) writes StableHLO
+    no newer than `version`: JAX's `_module_to_bytecode` asks
+    `hlo.get_version_from_compatibility_requirement` for its target, and
+    here the `hlo` its module sees answers the older of that and
+    `version`. StableHLO downgrades the program (`vhlo.custom_call_v2` to
+    `custom_call_v1`, ...), or raises if it uses an op `version` lacks.
+    """
+    from jax._src.export import _export
+
+    hlo = _export.hlo
+
+    class Capped:
+        def __getattr__(self, name):
+            return getattr(hlo, name)
+
+        def get_version_from_compatibility_requirement(self, requirement):
+            target = hlo.get_version_from_compatibility_requirement(
+                requirement)
+            return hlo.get_smaller_version(target, version)
+
+    _export.hlo = Capped()
+    try:
+        yield
+    finally:
+        _export.hlo = hlo
 
 
 # ------------------------------------- a running JAX fit's state, in place

@@ -34,10 +34,20 @@
 # instead. Not part of CI (it needs the network and doubles the time); run
 # it before raising the Keras upper bound in pyproject.toml.
 # docs/versions.md has the last results.
+#
+# `bash tests/run.sh --python 3.12 [--slow|--all] [pytest args]` runs the
+# TensorFlow and JAX passes on another Python (pyenv's or PATH's), in a
+# throwaway virtual environment with this checkout and the extras a JAX or
+# TensorFlow user needs, without PyTorch (tests/python_lane.sh; set
+# KERASMP_PYTHON_VENV=/path to reuse and keep one). Not part of CI.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 selection="not slow"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+if [[ "${1:-}" == "--python" ]]; then
+    shift
+    exec bash tests/python_lane.sh "$@"
+fi
 if [[ "${1:-}" == "--keras-nightly" ]]; then
     shift
     nightly="${KERASMP_NIGHTLY_DIR:-}"

@@ -11,6 +11,7 @@ private internals (docs/architecture.md lists the exceptions).
 
 import ast
 import pathlib
+import re
 import warnings
 
 import keras
@@ -746,6 +747,37 @@ def test_litert_schema_round_trips_a_flatbuffer():
     again = schema.ModelT.InitFromPackedBuf(builder.Output(), 0)
     assert again.version == 3 and len(again.buffers) == 1, _changed(
         "ai_edge_litert.schema_py_generated.ModelT")
+
+
+def test_tensorflow_stablehlo_version_is_a_version():
+    pytest.importorskip("tensorflow")
+    version = ki.tensorflow_stablehlo_version()
+    assert isinstance(version, str) and re.fullmatch(
+        r"\d+\.\d+\.\d+", version), (
+        "TensorFlow moved tensorflow.compiler.mlir.stablehlo.stablehlo."
+        f"get_current_version (got {version!r}): {FIX}")
+
+
+def test_jax_export_stablehlo_at_most_sets_the_written_version():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    oldest, target = ki.jax_stablehlo_versions()
+    assert ki.stablehlo_older(oldest, target) or oldest == target
+    fn = jax.jit(lambda x: jnp.sin(x) * 2)
+    arg = jax.ShapeDtypeStruct((3,), jnp.float32)
+
+    def written():
+        data = jax.export.export(fn)(arg).mlir_module_serialized
+        return re.findall(rb"StableHLO_v([0-9.]+)", data)
+
+    assert written() == [target.encode()], (
+        f"JAX {jax.__version__} no longer writes its WEEK_4 target: {FIX}")
+    with ki.jax_export_stablehlo_at_most(oldest):
+        assert written() == [oldest.encode()], (
+            f"JAX {jax.__version__} changed how jax.export picks its "
+            f"StableHLO target (jax._src.export._export.hlo): {FIX}")
+    assert written() == [target.encode()]  # put back on leaving
 
 
 # ------------------------------------------------------ no other access

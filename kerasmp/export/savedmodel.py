@@ -4,6 +4,7 @@ stored once), its writer from TensorFlow or JAX, its reader
 convert the same serving function.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import shutil
 import keras
 import numpy as np
 
+from kerasmp import _keras_internals as _ki
 from kerasmp._utils.arrays import is_float
 from kerasmp.export.inputs import batched
 from kerasmp.export.inputs import pack
@@ -98,6 +100,88 @@ def jax_archive(model, specs, io_dtype, shapes=None, constraints=()):
     return archive
 
 
+def stablehlo_versions():
+    """`{"jax": ..., "jax_oldest": ..., "jax_target": ..., "tensorflow":
+    ..., "tf_reads": ...}`: the versions of JAX and TensorFlow installed,
+    the StableHLO versions JAX can write (its oldest, and the one jax2tf
+    writes by default), and the newest one TensorFlow reads (None if it
+    does not say), read at run time."""
+    import jax
+    import tensorflow as tf
+
+    oldest, target = _ki.jax_stablehlo_versions()
+    return {"jax": jax.__version__, "jax_oldest": oldest,
+            "jax_target": target, "tensorflow": tf.__version__,
+            "tf_reads": _ki.tensorflow_stablehlo_version()}
+
+
+def stablehlo_mismatch(versions, format):
+    """The one-line refusal when JAX cannot write StableHLO as old as
+    TensorFlow reads (`versions` as `stablehlo_versions` gives them), else
+    None.
+
+    Example:
+
+    >>> stablehlo_mismatch({"jax": "0.12.1", "jax_oldest": "1.0.0",
+    ...     "jax_target": "1.22.0", "tensorflow": "2.21.0",
+    ...     "tf_reads": "0.9.0"}, "savedmodel")[:60]
+    "format='savedmodel' cannot be written from JAX 0.12.1 for Ten"
+    """
+    reads = versions["tf_reads"]
+    if reads is None or not _ki.stablehlo_older(reads,
+                                                 versions["jax_oldest"]):
+        return None
+    return (
+        f"format={format!r} cannot be written from JAX {versions['jax']} "
+        f"for TensorFlow {versions['tensorflow']}: jax2tf writes StableHLO "
+        f"{versions['jax_oldest']} or newer and TensorFlow reads up to "
+        f"{reads}; export with KERAS_BACKEND=tensorflow (from the .keras "
+        "file), or to 'keras', or install a TensorFlow that reads "
+        f"StableHLO {versions['jax_oldest']} (or a JAX that writes "
+        f"{reads}).")
+
+
+def refuse_stablehlo_mismatch(format):
+    """Raises `stablehlo_mismatch`'s one-line ValueError, if any: before
+    any jax2tf conversion."""
+    refusal = stablehlo_mismatch(stablehlo_versions(), format)
+    if refusal:
+        raise ValueError(refusal)
+
+
+@contextlib.contextmanager
+def readable_by_tensorflow():
+    """While inside, jax2tf writes StableHLO that the installed TensorFlow
+    reads. JAX targets a version a few weeks older than its own (1.22.0 in
+    JAX 0.12.1), which a TensorFlow released before it may not read
+    (TensorFlow 2.21 reads up to 1.13.7: `unregistered operation
+    'vhlo.custom_call_v2'` when the SavedModel is called). So when
+    TensorFlow's version is the older, the program is serialized at it
+    (StableHLO downgrades it; `refuse_stablehlo_mismatch` first refuses a
+    JAX that cannot write so old a version)."""
+    versions = stablehlo_versions()
+    reads = versions["tf_reads"]
+    if reads is None or not _ki.stablehlo_older(reads,
+                                                 versions["jax_target"]):
+        yield
+        return
+    with _ki.jax_export_stablehlo_at_most(reads):
+        yield
+
+
+def versions_said():
+    """`"JAX 0.12.1 and TensorFlow 2.21.0, StableHLO 1.13.7 (JAX's own
+    1.22.0 is newer than TensorFlow reads)"`: what an error of the jax2tf
+    route names."""
+    v = stablehlo_versions()
+    said = f"JAX {v['jax']} and TensorFlow {v['tensorflow']}, StableHLO "
+    reads = v["tf_reads"]
+    if reads is not None and _ki.stablehlo_older(reads, v["jax_target"]):
+        return (said + f"{reads} (JAX's own {v['jax_target']} is newer "
+                "than TensorFlow reads)")
+    return said + v["jax_target"]
+
+
 MAX_CONSTRAINTS = 8
 """Constraints `write_jax_savedmodel` adds before it fixes the lengths."""
 
@@ -174,14 +258,16 @@ def write_jax_savedmodel(model, path, specs, io_dtype, example=None):
     which the file checks when called. Returns the constraints added.
     """
     if example is None:
-        _write(jax_archive(model, specs, io_dtype), path)
+        with readable_by_tensorflow():
+            _write(jax_archive(model, specs, io_dtype), path)
         return []
     shapes, sizes = jax_shapes(specs, example)
     constraints = []
     while True:
         try:
-            _write(jax_archive(model, specs, io_dtype, shapes, constraints),
-                   path)
+            with readable_by_tensorflow():
+                _write(jax_archive(model, specs, io_dtype, shapes,
+                                   constraints), path)
             return constraints
         except Exception as e:  # jax2tf's shape errors, of any type
             constraint = constraint_for(e, sizes)
@@ -260,6 +346,8 @@ def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):
     import tensorflow as tf
 
     jax = keras.backend.backend() == "jax"
+    if jax:
+        refuse_stablehlo_mismatch("savedmodel")
     constraints = []
 
     def write(shapes):
@@ -281,12 +369,13 @@ def write_savedmodel(model, path, specs, dtype, io_dtype, example=None):
             raise
         # What jax2tf writes and TensorFlow then cannot run (keras-hub's MoE
         # routers: JAX 0.10 writes `top_k` as a StableHLO composite that
-        # TensorFlow 2.21 cannot read): one sentence with the ways out.
+        # TensorFlow 2.21 cannot read): one sentence with the versions and
+        # the ways out.
         raise ValueError(
             f"format='savedmodel' cannot write "
-            f"{getattr(model, 'name', 'model')!r} from JAX (jax2tf): "
-            f"{summary(e)}; export it with KERAS_BACKEND=tensorflow, or to "
-            "'keras'.") from e
+            f"{getattr(model, 'name', 'model')!r} from JAX (jax2tf) "
+            f"with {versions_said()}: {summary(e)}; export it with "
+            "KERAS_BACKEND=tensorflow, or to 'keras'.") from e
     if constraints and written is specs:
         lengths = _named_lengths(specs, jax_shapes(specs, example)[0])
         said = "; ".join(_readable(c, lengths) for c in constraints)

@@ -42,7 +42,10 @@ from kerasmp.export.parity import parity
 from kerasmp.export.quiet import say
 from kerasmp.export.savedmodel import jax_archive
 from kerasmp.export.savedmodel import output_order
+from kerasmp.export.savedmodel import readable_by_tensorflow
+from kerasmp.export.savedmodel import refuse_stablehlo_mismatch
 from kerasmp.export.savedmodel import serving_module
+from kerasmp.export.savedmodel import versions_said
 
 _FLEX = "TF Select ops:"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -223,6 +226,8 @@ def write_tflite(model, path, specs, dtype, io_dtype, example=None):
         return
     import tensorflow as tf
 
+    if keras.backend.backend() == "jax":
+        refuse_stablehlo_mismatch("tflite")
     folders = []
 
     def make_converter(specs):
@@ -232,8 +237,9 @@ def write_tflite(model, path, specs, dtype, io_dtype, example=None):
             folder = tempfile.mkdtemp(prefix=".savedmodel-",
                                       dir=os.path.dirname(path) or ".")
             folders.append(folder)
-            jax_archive(model, specs, io_dtype).write_out(
-                os.path.join(folder, "m"), verbose=False)
+            with readable_by_tensorflow():
+                jax_archive(model, specs, io_dtype).write_out(
+                    os.path.join(folder, "m"), verbose=False)
             converter = tf.lite.TFLiteConverter.from_saved_model(
                 os.path.join(folder, "m"))
         else:
@@ -283,7 +289,7 @@ def write_tflite(model, path, specs, dtype, io_dtype, example=None):
             raise
         raise ValueError(
             f"format='tflite' cannot convert {source.name!r} from JAX "
-            f"(jax2tf, then the TFLite converter): "
+            f"(jax2tf, then the TFLite converter) with {versions_said()}: "
             f"{summary(e)}; export it with "
             "KERAS_BACKEND=tensorflow, or to 'savedmodel'.") from e
     finally:

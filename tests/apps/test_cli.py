@@ -627,3 +627,74 @@ def test_run_sh_slow_and_all(flag, tf_marks, jax_marks, tmp_path):
         f"tensorflow -m pytest {tf_marks}-n 2 --dist worksteal -q",
         f"jax -m pytest -m {jax_marks} -n 2 --dist worksteal -q",
         f"torch -m pytest -m {torch_marks} -n 2 --dist worksteal -q"]
+
+
+def _fake_pyenv(tmp_path):
+    """A pyenv root holding Pythons 3.12.1 and 3.12.9: a `python` that logs
+    how it was called (its own path first), makes a venv as a copy of
+    itself, answers run.sh's probes (xdist yes, torch no) and runs the
+    lane's inline scripts with this Python."""
+    log = tmp_path / "calls.txt"
+    script = (
+        "#!/bin/sh\n"
+        f"echo \"$0 $KERAS_BACKEND $*\" >> {log}\n"
+        "case \"$1 $2\" in\n"
+        "  '-m venv') mkdir -p \"$3/bin\"; cp \"$0\" \"$3/bin/python\";;\n"
+        "  '-c import torch') exit 1;;\n"
+        f"  '- ') exec {sys.executable} -;;\n"
+        "esac\n"
+        "exit 0\n")
+    for version in ("3.12.1", "3.12.9"):
+        bin_dir = tmp_path / "pyenv" / "versions" / version / "bin"
+        bin_dir.mkdir(parents=True)
+        (bin_dir / "python").write_text(script)
+        (bin_dir / "python").chmod(0o755)
+    return tmp_path / "pyenv", log
+
+
+def test_run_sh_python_lane(tmp_path):
+    root, log = _fake_pyenv(tmp_path)
+    env = dict(os.environ, PYENV_ROOT=str(root))
+    env.pop("KERASMP_PYTHON_VENV", None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tests" / "run.sh"), "--python", "3.12", "-q"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    base = str(root / "versions" / "3.12.9" / "bin" / "python")  # newest
+    assert calls[0].startswith(f"{base}  -m venv /tmp/kerasmp-python-3.12.")
+    venv = Path(calls[0].split()[-1])
+    python = str(venv / "bin" / "python")
+    pip = [c for c in calls if " -m pip install " in c]
+    assert len(pip) == 1 and pip[0].startswith(python)
+    words = pip[0].split()
+    assert "-e" in words and ".[jax,tensorflow,plot,onnx,tflite]" in words
+    assert "pytest" in words and "pytest-xdist" in words
+    assert not [w for w in words if "torch" in w], words
+    # The suite's TensorFlow and JAX passes, with the venv's python; no
+    # PyTorch pass.
+    assert [c for c in calls if "-m pytest" in c] == [
+        f"{python} tensorflow -m pytest -m not slow -n 2 --dist worksteal "
+        "-q",
+        f"{python} jax -m pytest -m not tensorflow and (not slow) -n 2 "
+        "--dist worksteal -q"]
+    assert "KERAS_BACKEND=torch: skipped" in proc.stdout
+    assert not venv.exists()  # the throwaway environment is deleted
+
+
+@pytest.mark.parametrize("args, words", [
+    ([], "--python needs a version such as 3.12 (got '')"),
+    (["3.99"], "no Python 3.99 found"),
+])
+def test_run_sh_python_lane_errors(tmp_path, args, words):
+    root, log = _fake_pyenv(tmp_path)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tests" / "run.sh"), "--python", *args, "-q"]
+        if args else ["bash", str(ROOT / "tests" / "run.sh"), "--python"],
+        env=dict(os.environ, PYENV_ROOT=str(root)), capture_output=True,
+        text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], proc.stderr
+    assert "bash tests/run.sh --python 3.12" in lines[0] or "3.99" in lines[0]
+    assert not log.exists()  # nothing ran
