@@ -655,7 +655,11 @@ def _fake_pyenv(tmp_path):
 def test_run_sh_python_lane(tmp_path):
     root, log = _fake_pyenv(tmp_path)
     env = dict(os.environ, PYENV_ROOT=str(root))
-    env.pop("KERASMP_PYTHON_VENV", None)
+    # As a user calls it: not from inside a pass of run.sh (which sets
+    # KERAS_BACKEND, which the fake logs), with the default worker count.
+    for name in ("KERASMP_PYTHON_VENV", "KERAS_BACKEND",
+                 "KERASMP_TEST_WORKERS"):
+        env.pop(name, None)
     proc = subprocess.run(
         ["bash", str(ROOT / "tests" / "run.sh"), "--python", "3.12", "-q"],
         env=env, capture_output=True, text=True, timeout=120)
