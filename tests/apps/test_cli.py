@@ -530,19 +530,26 @@ def test_help_lists_the_choices_demo_and_bench_accept():
 # ---------------------------------------------------------------- run.sh
 
 
-def _fake_run_sh(tmp_path, failing, args, status=1):
-    """tests/run.sh with a fake `python` that logs its arguments and exits
-    with `status` for pytest under the backend `failing`."""
+def _fake_python(tmp_path, body):
+    """A folder holding a fake `python`: a shell script running `body`
+    (`{log}` in it: the log file's path), then exiting 0; returns
+    `(folder, log)`."""
     fake = tmp_path / "bin"
     fake.mkdir()
     log = tmp_path / "calls.txt"
     (fake / "python").write_text(
-        "#!/bin/sh\n"
-        f"echo \"$KERAS_BACKEND $*\" >> {log}\n"
-        "case \"$*\" in *pytest*) "
-        f"[ \"$KERAS_BACKEND\" = \"$FAILING\" ] && exit {status};; esac\n"
-        "exit 0\n")
+        "#!/bin/sh\n" + body.replace("{log}", str(log)) + "exit 0\n")
     (fake / "python").chmod(0o755)
+    return fake, log
+
+
+def _fake_run_sh(tmp_path, failing, args, status=1):
+    """tests/run.sh with a fake `python` that logs its arguments and exits
+    with `status` for pytest under the backend `failing`."""
+    fake, log = _fake_python(
+        tmp_path, "echo \"$KERAS_BACKEND $*\" >> {log}\n"
+        "case \"$*\" in *pytest*) "
+        f"[ \"$KERAS_BACKEND\" = \"$FAILING\" ] && exit {status};; esac\n")
     env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
                FAILING=failing)
     env.pop("KERASMP_TEST_WORKERS", None)  # the default count, two
@@ -560,15 +567,9 @@ def test_run_sh_keras_nightly_runs_with_the_nightly_first_or_stops(
     # nothing, `python -` (the script's check that keras imports as the
     # installed nightly) passes or fails, and every call logs its
     # PYTHONPATH; no network.
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    log = tmp_path / "calls.txt"
-    (fake / "python").write_text(
-        "#!/bin/sh\n"
-        f"echo \"$KERAS_BACKEND|$PYTHONPATH|$*\" >> {log}\n"
-        f"[ \"$1\" = - ] && exit {0 if is_nightly else 1}\n"
-        "exit 0\n")
-    (fake / "python").chmod(0o755)
+    fake, log = _fake_python(
+        tmp_path, "echo \"$KERAS_BACKEND|$PYTHONPATH|$*\" >> {log}\n"
+        f"[ \"$1\" = - ] && exit {0 if is_nightly else 1}\n")
     folder = tmp_path / "nightly"
     env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
                KERASMP_NIGHTLY_DIR=str(folder), PYTHONPATH="/elsewhere")
